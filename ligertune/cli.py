@@ -1,0 +1,181 @@
+"""The `ligertune` command line: a thin Typer shell over the modules that do the work.
+
+Every command that reads a recipe validates it first; recipe problems print one line each
+(no traceback) and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from ligertune.recipe import RecipeError, load_recipe, recipe_to_yaml
+
+app = typer.Typer(
+    name="ligertune",
+    help="Fine-tune LLMs from YAML recipes with fused Triton kernels.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="rich",
+)
+recipes_app = typer.Typer(help="List the shipped recipes, or copy one to edit.", invoke_without_command=True)
+app.add_typer(recipes_app, name="recipes")
+
+console = Console()
+err_console = Console(stderr=True)
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+if not RECIPES_DIR.is_dir():  # a regular (non-editable) install maps recipes/ into the package
+    RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+def fail(error: RecipeError) -> None:
+    err_console.print(f"[bold red]error:[/] {error.source + ': ' if error.source else ''}invalid recipe")
+    for problem in error.problems:
+        err_console.print(f"  {problem}", markup=False, highlight=False)
+    raise typer.Exit(2)
+
+
+def shipped_recipes() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(RECIPES_DIR.glob("*.yaml"))}
+
+
+@app.command()
+def validate(
+    recipes: list[Path] = typer.Argument(..., help="Recipe files, optionally followed by key=value overrides."),
+    fmt: str = typer.Option("table", "--format", "-f", help="How to print the resolved recipe: table, yaml or none."),
+) -> None:
+    """Validate recipes and print each one fully resolved (defaults filled in).
+
+    [bold]Examples[/]
+
+      ligertune validate recipes/quickstart.yaml
+
+      ligertune validate recipes/llama3-8b-alpaca.yaml training.lr=1e-5 kernels.rope=false -f yaml
+    """
+    files = [str(p) for p in recipes if "=" not in str(p)]
+    overrides = [str(p) for p in recipes if "=" in str(p)]
+    failed = False
+    for file in files:
+        try:
+            recipe = load_recipe(file, overrides)
+        except RecipeError as e:
+            failed = True
+            err_console.print(f"[bold red]✗[/] {file}")
+            for problem in e.problems:
+                err_console.print(f"  {problem}", markup=False, highlight=False)
+            continue
+        if fmt == "yaml":
+            console.print(recipe_to_yaml(recipe), markup=False, highlight=False)
+        elif fmt == "table":
+            _print_recipe_table(file, recipe)
+        console.print(f"[green]✓[/] {file}")
+    if failed:
+        raise typer.Exit(2)
+
+
+def _print_recipe_table(title: str, recipe) -> None:
+    from rich.table import Table
+
+    table = Table(title=title, show_header=True, header_style="bold")
+    table.add_column("key")
+    table.add_column("value", overflow="fold")
+
+    def walk(prefix: str, value) -> None:
+        if isinstance(value, dict) and value:
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else k, v)
+        else:
+            table.add_row(prefix, repr(value) if isinstance(value, str) else str(value))
+
+    walk("", recipe.model_dump(mode="json"))
+    console.print(table)
+
+
+@recipes_app.callback()
+def recipes_list(ctx: typer.Context) -> None:
+    """List the shipped recipes with their one-line descriptions.
+
+    [bold]Examples[/]
+
+      ligertune recipes
+
+      ligertune recipes cp llama3-8b-alpaca my-run.yaml
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.table import Table
+
+    table = Table(show_header=True, header_style="bold")
+    table.add_column("recipe")
+    table.add_column("description")
+    for name, path in shipped_recipes().items():
+        try:
+            description = load_recipe(path).description
+        except RecipeError as e:
+            description = f"[red]invalid: {e.problems[0]}[/]"
+        table.add_row(name, description)
+    console.print(table)
+
+
+@recipes_app.command("cp")
+def recipes_cp(
+    name: str = typer.Argument(..., help="Shipped recipe name (see `ligertune recipes`)."),
+    dest: Path = typer.Argument(..., help="Where to write the copy."),
+) -> None:
+    """Copy a shipped recipe to edit.
+
+    [bold]Example[/]
+
+      ligertune recipes cp quickstart my-recipe.yaml
+    """
+    available = shipped_recipes()
+    source = available.get(name.removesuffix(".yaml"))
+    if source is None:
+        import difflib
+
+        close = difflib.get_close_matches(name, list(available), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        err_console.print(f"[bold red]error:[/] no shipped recipe named {name!r}{hint}")
+        raise typer.Exit(2)
+    if dest.is_dir():
+        dest = dest / source.name
+    if dest.exists():
+        err_console.print(f"[bold red]error:[/] {dest} exists; not overwriting it")
+        raise typer.Exit(2)
+    shutil.copyfile(source, dest)
+    console.print(f"wrote {dest}")
+
+
+@app.command()
+def env() -> None:
+    """Versions of the stack, the GPUs seen, and how the kernels will run.
+
+    [bold]Example[/]
+
+      ligertune env
+    """
+    from ligertune.environment import describe_environment
+
+    from rich.table import Table
+
+    table = Table(show_header=False)
+    for key, value in describe_environment().items():
+        table.add_row(key, str(value))
+    console.print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except RecipeError as e:
+        fail(e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
