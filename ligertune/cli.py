@@ -23,7 +23,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
-recipes_app = typer.Typer(help="List the shipped recipes, or copy one to edit.", invoke_without_command=True)
+recipes_app = typer.Typer(invoke_without_command=True)
 app.add_typer(recipes_app, name="recipes")
 
 console = Console()
@@ -37,7 +37,7 @@ if not RECIPES_DIR.is_dir():  # a regular (non-editable) install maps recipes/ i
 def fail(error: RecipeError) -> None:
     err_console.print(f"[bold red]error:[/] {error.source + ': ' if error.source else ''}invalid recipe")
     for problem in error.problems:
-        err_console.print(f"  {problem}", markup=False, highlight=False)
+        err_console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -68,7 +68,7 @@ def validate(
             failed = True
             err_console.print(f"[bold red]✗[/] {file}")
             for problem in e.problems:
-                err_console.print(f"  {problem}", markup=False, highlight=False)
+                err_console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
             continue
         if fmt == "yaml":
             console.print(recipe_to_yaml(recipe), markup=False, highlight=False)

@@ -357,7 +357,10 @@ def _check_files(recipe: Recipe) -> list[str]:
         if value and (looks_local(value) or key in ("parallel.deepspeed.config", "checkpoint.resume")):
             path = recipe.resolve(value)
             if not path.exists():
-                problems.append(f"{key}: file not found: {path}")
+                where = [Path.cwd()] + ([recipe._base_dir] if recipe._base_dir else [])
+                looked = " and ".join(str((d / path).resolve()) for d in dict.fromkeys(where))
+                shown = str(path) if path.is_absolute() else f"{value} (looked for {looked})"
+                problems.append(f"{key}: file not found: {shown}")
     return problems
 
 

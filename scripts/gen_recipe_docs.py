@@ -1,0 +1,9 @@
+"""Regenerate docs/recipes.md from the recipe schema (ligertune/recipe.py)."""
+
+from pathlib import Path
+
+from ligertune.recipe_docs import render
+
+target = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
+target.write_text(render(), encoding="utf-8")
+print(f"wrote {target}")

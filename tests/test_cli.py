@@ -1,0 +1,67 @@
+"""The CLI shell: exit codes, no tracebacks for user errors, help with examples."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BROKEN = Path(__file__).resolve().parent / "recipes"
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "ligertune", *args], capture_output=True, text=True, cwd=cwd or ROOT, timeout=120
+    )
+
+
+def test_validate_shipped_recipe_prints_resolved_yaml():
+    proc = cli("validate", "recipes/llama3-8b-alpaca.yaml", "training.lr=1e-5", "-f", "yaml")
+    assert proc.returncode == 0, proc.stderr
+    assert "lr: 1.0e-05" in proc.stdout
+    assert "strategy: fsdp" in proc.stdout
+
+
+@pytest.mark.parametrize("name", ["unknown_key.yaml", "missing_file.yaml", "not_yaml.yaml", "loss_kernel_conflict.yaml"])
+def test_validate_broken_recipe_exits_2_without_traceback(name):
+    proc = cli("validate", str(BROKEN / name))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert name in proc.stderr
+
+
+def test_validate_missing_recipe_file():
+    proc = cli("validate", "no/such/recipe.yaml")
+    assert proc.returncode == 2
+    assert "recipe file not found: no/such/recipe.yaml" in proc.stderr
+
+
+def test_recipes_lists_and_copies(tmp_path):
+    listing = cli("recipes")
+    assert listing.returncode == 0
+    assert "llama3-8b-alpaca" in listing.stdout and "FSDP2" in listing.stdout
+    dest = tmp_path / "mine.yaml"
+    copied = cli("recipes", "cp", "llama3.2-1b-alpaca", str(dest))
+    assert copied.returncode == 0, copied.stderr
+    assert dest.read_text() == (ROOT / "recipes" / "llama3.2-1b-alpaca.yaml").read_text()
+    again = cli("recipes", "cp", "llama3.2-1b-alpaca", str(dest))
+    assert again.returncode == 2 and "not overwriting" in again.stderr
+    typo = cli("recipes", "cp", "llama3-8b-alpca", str(tmp_path))
+    assert typo.returncode == 2 and "did you mean llama3-8b-alpaca?" in typo.stderr
+
+
+def test_env_reports_versions_and_kernel_mode():
+    proc = cli("env")
+    assert proc.returncode == 0
+    for name in ("torch", "triton", "transformers", "datasets", "deepspeed", "kernels"):
+        assert name in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["validate", "recipes", "env"])
+def test_help_shows_examples(command):
+    proc = cli(command, "--help")
+    assert proc.returncode == 0
+    assert "Example" in proc.stdout

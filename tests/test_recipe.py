@@ -1,0 +1,141 @@
+"""Recipe schema: shipped recipes validate; broken recipes fail with messages that say what to fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ligertune.recipe import (
+    KERNEL_NAMES,
+    Recipe,
+    RecipeError,
+    apply_overrides,
+    load_recipe,
+    validate_recipe,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+BROKEN = Path(__file__).resolve().parent / "recipes"
+SHIPPED = sorted((ROOT / "recipes").glob("*.yaml"))
+
+# Each broken recipe in tests/recipes and a fragment its error must contain. Problems that
+# depend on the machine (paths) are matched by their stable part.
+EXPECTED = {
+    "unknown_key.yaml": "training.lr_shedule: unknown key; did you mean training.lr_schedule?",
+    "unknown_section.yaml": "trainig: unknown key; did you mean training?",
+    "wrong_type.yaml": "training.micro_batch_size: got 'four'; input should be a valid integer",
+    "bad_choice.yaml": "training.lr_schedule: got 'exponential'; allowed: 'cosine', 'linear' or 'constant'",
+    "missing_file.yaml": "data.path: file not found: ./no-such-data.jsonl (looked for",
+    "loss_kernel_conflict.yaml": "kernels.cross_entropy and kernels.fused_linear_cross_entropy are both on",
+    "missing_data.yaml": "data: required key is missing",
+    "two_model_sources.yaml": "set exactly one of model.name_or_path (weights) or model.config (random init)",
+    "unknown_config_name.yaml": "model.config: unknown shipped config 'llama3-8 b'; did you mean llama3-8b?",
+    "bad_kernel_name.yaml": "kernels.rmsnorm: unknown key; did you mean kernels.rms_norm?",
+    "bad_kernel_preset.yaml": "kernels: expected 'all', 'none' or a mapping of kernel: true/false, got 'some'",
+    "offload_needs_zero3.yaml": "parallel.deepspeed.offload_params needs parallel.deepspeed.zero_stage: 3",
+    "negative_lr.yaml": "training.lr: got -1; input should be greater than 0",
+    "not_yaml.yaml": "not valid YAML at line 3, column 2",
+    "not_mapping.yaml": "the recipe must be a YAML mapping of sections, got str",
+}
+
+
+def test_every_broken_recipe_has_an_expected_message():
+    assert sorted(EXPECTED) == sorted(p.name for p in BROKEN.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_broken_recipe_message(name):
+    with pytest.raises(RecipeError) as info:
+        load_recipe(BROKEN / name)
+    assert any(EXPECTED[name] in p for p in info.value.problems), info.value.problems
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_recipes_validate(path):
+    recipe = load_recipe(path)
+    assert recipe.description, "every shipped recipe needs a one-line description"
+    assert recipe.name == path.stem
+
+
+def test_every_hub_recipe_has_an_offline_bench_variant():
+    names = {p.stem for p in SHIPPED}
+    for name in names:
+        recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
+        if recipe.model.name_or_path is not None:
+            assert f"{name}-bench" in names, f"{name} needs a {name}-bench variant that runs without hub access"
+
+
+def test_overrides_are_yaml_typed_and_validated():
+    recipe = load_recipe(
+        ROOT / "recipes" / "llama3.2-1b-alpaca.yaml",
+        ["training.lr=2e-5", "kernels.rope=false", "data.max_seq_len=4096", "training.adam_betas=[0.9, 0.99]"],
+    )
+    assert recipe.training.lr == 2e-5
+    assert recipe.kernels.rope is False and recipe.kernels.rms_norm is True
+    assert recipe.data.max_seq_len == 4096
+    assert recipe.training.adam_betas == (0.9, 0.99)
+
+
+def test_override_typo_is_named():
+    with pytest.raises(RecipeError) as info:
+        load_recipe(ROOT / "recipes" / "llama3.2-1b-alpaca.yaml", ["training.lr_shedule=cosine"])
+    assert "training.lr_shedule: unknown key; did you mean training.lr_schedule?" in info.value.problems[0]
+
+
+@pytest.mark.parametrize("bad", ["training.lr", "=3", "training..lr=1", "training.lr=[1,"])
+def test_malformed_overrides(bad):
+    with pytest.raises(RecipeError) as info:
+        apply_overrides({}, [bad])
+    assert bad.partition("=")[0] in info.value.problems[0] or "override is written" in info.value.problems[0]
+
+
+def test_override_into_a_scalar_is_rejected():
+    with pytest.raises(RecipeError) as info:
+        apply_overrides({"seed": 3}, ["seed.value=1"])
+    assert "seed.value: seed is 3, not a section with keys" in info.value.problems[0]
+
+
+def test_kernel_presets():
+    base = yaml.safe_load((BROKEN / "unknown_key.yaml").read_text())
+    base.pop("training")
+    everything = validate_recipe({**base, "kernels": "all"}, base_dir=BROKEN)
+    nothing = validate_recipe({**base, "kernels": "none"}, base_dir=BROKEN)
+    assert "fused_linear_cross_entropy" in everything.kernels.enabled()
+    assert "cross_entropy" not in everything.kernels.enabled(), "all must not enable both loss kernels"
+    assert nothing.kernels.enabled() == []
+    assert set(everything.kernels.enabled()) == set(KERNEL_NAMES) - {"cross_entropy"}
+    # An override can switch one kernel off after a preset.
+    raw = apply_overrides({**base, "kernels": "all"}, ["kernels.rope=false"])
+    assert "rope" not in validate_recipe(raw, base_dir=BROKEN).kernels.enabled()
+
+
+def test_every_field_has_a_description():
+    def walk(model, prefix):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{prefix}{name} has no description"
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, Recipe.__mro__[1]):
+                walk(annotation, f"{prefix}{name}.")
+
+    walk(Recipe, "")
+
+
+def test_deepspeed_missing_names_the_install(tmp_path):
+    """With deepspeed hidden from the import system, the recipe names the fix and exits 2."""
+    recipe = tmp_path / "ds.yaml"
+    recipe.write_text((ROOT / "recipes" / "qwen2.5-7b-alpaca-deepspeed.yaml").read_text())
+    hide = (
+        "import sys\n"
+        "sys.modules['deepspeed'] = None  # what an environment without deepspeed looks like to find_spec\n"
+        "sys.argv = ['ligertune', 'validate', sys.argv[1]]\n"
+        "from ligertune.cli import main; main()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", hide, str(recipe)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "parallel.strategy: deepspeed is chosen but not installed" in proc.stderr
+    assert "pip install 'ligertune[deepspeed]'" in proc.stderr
+    assert "Traceback" not in proc.stderr
