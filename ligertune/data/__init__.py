@@ -1,0 +1,33 @@
+"""The data pipeline: dataset files → tokenized samples → packed or padded rows → micro-batches.
+
+    tokenizer = load_tokenizer(recipe)
+    data = build_datasets(recipe, tokenizer)        # data.train, data.validation, data.stats
+    print(data.report())
+    loader = MicroBatchLoader(data.train, 4, seed=recipe.seed, pad_token_id=tokenizer.pad_token_id,
+                              packing=recipe.data.packing, rank=rank, world_size=world_size)
+    for batch in loader.iter_epoch(epoch, start=resume_micro_batch): ...
+
+Every problem with the data a user can fix raises `DataError` with one line naming the file and
+what is wrong; the CLI prints it and exits with status 2.
+"""
+
+
+class DataError(ValueError):
+    """A dataset or tokenizer problem the user must fix; the message is one line."""
+
+
+# The submodules import DataError from here, so they come after it.
+from ligertune.data.loader import MicroBatchLoader  # noqa: E402
+from ligertune.data.packing import SequenceDataset  # noqa: E402
+from ligertune.data.pipeline import DataStats, PreparedData, build_datasets  # noqa: E402
+from ligertune.data.tokenizer import load_tokenizer  # noqa: E402
+
+__all__ = [
+    "DataError",
+    "DataStats",
+    "MicroBatchLoader",
+    "PreparedData",
+    "SequenceDataset",
+    "build_datasets",
+    "load_tokenizer",
+]

@@ -1,0 +1,276 @@
+"""Dataset formats → token ids and labels.
+
+Three formats, all ending as `Sample(input_ids, labels)` with labels aligned to input_ids
+(the model shifts them: the logits at position t are scored against labels[t + 1]):
+
+* ``alpaca``: columns instruction, output and optionally input, rendered with the standard
+  Alpaca prompt. The prompt (and the tokenizer's BOS) is labelled −100 unless
+  ``train_on_inputs``; the response and an appended EOS are labelled.
+* ``chat``: a list of ``{role, content}`` messages rendered with the tokenizer's chat template.
+  Only assistant turns (and the EOS after a final assistant turn) are labelled.
+* ``pretokenized``: ``input_ids`` and optionally ``labels`` (default: every token), used as is.
+
+Prompt and response are tokenized separately and concatenated, so the label boundary is
+exact. The price is that no token spans that boundary: harmless for byte-level BPE (Llama 3,
+Qwen, the bundled tokenizer), whose pre-tokenizer splits after the template's final newline or
+special token anyway, so the ids equal tokenizing the whole text; SentencePiece tokenizers
+that prefix every call with a space (Llama 2, Mistral) start each response with one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ligertune.data import DataError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+IGNORE_INDEX = -100
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further context. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    labels: list[int]
+
+
+# A sample before tokenization: text pieces, each with whether its tokens are trained on.
+Segments = list[tuple[str, bool]]
+Rows = Iterable[tuple[int, dict[str, Any]]]  # (row number in the source split, row)
+
+
+def alpaca_prompt(instruction: str, input: str = "") -> str:
+    if input:
+        return ALPACA_PROMPT.format(instruction=instruction, input=input)
+    return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+def columns_for(fmt: str, messages_field: str = "messages") -> tuple[list[str], list[str]]:
+    """(required, optional) columns of a format."""
+    return {
+        "alpaca": (["instruction", "output"], ["input"]),
+        "chat": ([messages_field], []),
+        "pretokenized": (["input_ids"], ["labels"]),
+    }[fmt]
+
+
+def check_columns(fmt: str, found: Sequence[str], source: str, messages_field: str = "messages") -> None:
+    required, optional = columns_for(fmt, messages_field)
+    missing = [c for c in required if c not in found]
+    if not missing:
+        return
+    expected = ", ".join(required) + (f" (optional: {', '.join(optional)})" if optional else "")
+    hint = _format_hint(fmt, found, messages_field)
+    raise DataError(
+        f"{source}: data.format {fmt} expects columns {expected}; found {', '.join(found) or 'none'}"
+        f" (missing {', '.join(missing)}){hint}"
+    )
+
+
+def _format_hint(fmt: str, found: Sequence[str], messages_field: str) -> str:
+    """Point at the setting that probably fixes a column mismatch."""
+    for other in ("alpaca", "chat", "pretokenized"):
+        if other != fmt and all(c in found for c in columns_for(other)[0]):
+            return f"; the columns fit data.format: {other}"
+    if fmt == "chat":
+        lists = [c for c in found if c in ("conversations", "conversation", "dialog", "chat", "turns")]
+        if lists:
+            return f"; if {lists[0]} holds the messages, set data.messages_field: {lists[0]}"
+    return ""
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizing text segments (alpaca and chat)
+# --------------------------------------------------------------------------------------------
+
+
+def special_affixes(tokenizer: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The ids a tokenizer adds around plain text (e.g. BOS for Llama, nothing for Qwen)."""
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    full = tokenizer("x", add_special_tokens=True)["input_ids"]
+    for start in range(len(full) - len(plain) + 1):
+        if full[start : start + len(plain)] == plain:
+            return full[:start], full[start + len(plain) :]
+    return [], []
+
+
+def encode_segments(
+    tokenizer: PreTrainedTokenizerBase,
+    samples: list[Segments],
+    *,
+    train_on_inputs: bool,
+    add_special_tokens: bool,
+) -> list[Sample]:
+    """Tokenize every sample's segments in one batched call, label them, and end with EOS.
+
+    Untrained segments are labelled −100 unless `train_on_inputs`. With `add_special_tokens`
+    the tokenizer's own prefix (BOS) and suffix wrap the sample; chat templates write their
+    own. EOS is appended unless the sample already ends with it, and is labelled when the last
+    segment is, so the model learns to stop after a response.
+    """
+    eos = tokenizer.eos_token_id
+    prefix, suffix = special_affixes(tokenizer) if add_special_tokens else ([], [])
+    texts = [text for segments in samples for text, _ in segments]
+    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
+    out = []
+    for segments in samples:
+        input_ids, labels = list(prefix), [IGNORE_INDEX] * len(prefix)
+        for _, trained in segments:
+            ids = next(encoded)
+            input_ids += ids
+            labels += ids if trained or train_on_inputs else [IGNORE_INDEX] * len(ids)
+        tail = suffix if (input_ids + suffix)[-1:] == [eos] else suffix + [eos]
+        tail_trained = train_on_inputs or bool(segments and segments[-1][1])
+        input_ids += tail
+        labels += tail if tail_trained else [IGNORE_INDEX] * len(tail)
+        out.append(Sample(input_ids, labels))
+    return out
+
+
+def alpaca_segments(rows: Rows, source: str) -> list[Segments]:
+    samples = []
+    for index, row in rows:
+        instruction, input_, output = row["instruction"], row.get("input") or "", row["output"]
+        for name, value in (("instruction", instruction), ("input", input_), ("output", output)):
+            if not isinstance(value, str):
+                raise DataError(f"{source}, row {index}: {name} must be text, got {type(value).__name__}")
+        samples.append([(alpaca_prompt(instruction, input_), False), (output, True)])
+    return samples
+
+
+def chat_segments(
+    rows: Rows, tokenizer: PreTrainedTokenizerBase, messages_field: str, train_on_inputs: bool, source: str
+) -> list[Segments]:
+    """Split each rendered conversation into prompt text and assistant text.
+
+    The span of assistant turn i is the text the template adds between rendering turns < i
+    with a generation prompt and rendering turns ≤ i. That needs a prefix-stable template
+    (earlier turns render the same when later ones are added), checked here; with
+    `train_on_inputs` every token is trained and the whole conversation is one segment.
+    """
+    from jinja2 import TemplateError
+
+    if tokenizer.chat_template is None:
+        raise DataError(
+            "data.format chat needs a chat template, and this tokenizer has none; "
+            "set tokenizer.chat_template in the recipe"
+        )
+
+    def render(messages: list[dict], generation_prompt: bool = False) -> str:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    samples = []
+    for index, row in rows:
+        messages = _check_messages(row[messages_field], messages_field, f"{source}, row {index}")
+        try:
+            if train_on_inputs:
+                samples.append([(render(messages), True)])
+                continue
+            segments, done = [], ""
+            for turn, message in enumerate(messages):
+                if message["role"] != "assistant":
+                    continue
+                prompt, full = render(messages[:turn], True), render(messages[: turn + 1])
+                if not (prompt.startswith(done) and full.startswith(prompt)):
+                    raise DataError(
+                        f"{source}, row {index}: the chat template renders earlier turns differently once "
+                        "later turns are added, so assistant turns cannot be located for masking; set "
+                        "tokenizer.chat_template to a prefix-stable template or data.train_on_inputs: true"
+                    )
+                segments += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+                done = full
+            rest = render(messages)[len(done) :]
+            samples.append(segments + ([(rest, False)] if rest else []))
+        except TemplateError as e:
+            raise DataError(
+                f"{source}, row {index}: the chat template rejected the conversation: {e}"
+            ) from None
+    return samples
+
+
+def _check_messages(messages: Any, field: str, where: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: {field} must be a non-empty list of {{role, content}} messages")
+    for turn, message in enumerate(messages):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise DataError(
+                f"{where}: message {turn} of {field} needs text fields role and content, got {message!r}"
+            )
+    return messages
+
+
+# --------------------------------------------------------------------------------------------
+# Pretokenized
+# --------------------------------------------------------------------------------------------
+
+
+def pretokenized_samples(rows: Rows, vocab_size: int, source: str) -> list[Sample]:
+    """Rows used as given; labels default to the input ids (every token trained)."""
+    out = []
+    for index, row in rows:
+        where = f"{source}, row {index}"
+        input_ids, labels = row["input_ids"], row.get("labels")
+        if not isinstance(input_ids, list) or not input_ids:
+            raise DataError(f"{where}: input_ids must be a non-empty list of token ids")
+        _check_ids(input_ids, vocab_size, f"{where}: input_ids", allow_ignore=False)
+        if labels is None:
+            labels = list(input_ids)
+        else:
+            if not isinstance(labels, list) or len(labels) != len(input_ids):
+                got = len(labels) if isinstance(labels, list) else type(labels).__name__
+                raise DataError(
+                    f"{where}: labels must be a list as long as input_ids ({len(input_ids)}), got {got}"
+                )
+            _check_ids(labels, vocab_size, f"{where}: labels", allow_ignore=True)
+        out.append(Sample(list(input_ids), list(labels)))
+    return out
+
+
+def _check_ids(ids: list, vocab_size: int, where: str, allow_ignore: bool) -> None:
+    for position, token in enumerate(ids):
+        if not isinstance(token, int) or not (
+            0 <= token < vocab_size or allow_ignore and token == IGNORE_INDEX
+        ):
+            allowed = f"0–{vocab_size - 1}" + (" or -100" if allow_ignore else "")
+            raise DataError(f"{where}[{position}] is {token!r}; token ids must be integers in {allowed}")
+
+
+def tokenize_rows(
+    fmt: str,
+    rows: Rows,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    train_on_inputs: bool,
+    messages_field: str,
+    source: str,
+) -> list[Sample]:
+    """Rows of one split in the given format → samples (not yet truncated)."""
+    if fmt == "pretokenized":
+        return pretokenized_samples(rows, len(tokenizer), source)
+    if tokenizer.eos_token_id is None:
+        raise DataError(f"data.format {fmt} appends an EOS token, and the tokenizer has none")
+    if fmt == "alpaca":
+        segments, special = alpaca_segments(rows, source), True
+    else:
+        segments, special = chat_segments(rows, tokenizer, messages_field, train_on_inputs, source), False
+    return encode_segments(tokenizer, segments, train_on_inputs=train_on_inputs, add_special_tokens=special)

@@ -1,0 +1,195 @@
+"""Reading one split of a dataset through `datasets`, with errors that name the file.
+
+``data.path`` is either local (``ligertune://`` assets, a JSON/JSONL/Parquet/CSV/Arrow file,
+a directory of such files, or a directory written by ``save_to_disk``) or a hub id, which goes
+through the same ``datasets.load_dataset`` call. A single local file is the split ``train``.
+
+`datasets` reports broken files poorly: invalid UTF-8 is read without complaint and a JSON
+syntax error surfaces as a generic DatasetGenerationError. So text files are checked for
+UTF-8 before loading (one streaming pass), and when loading fails the file is re-read to find
+the line at fault. The successful path costs one UTF-8 pass and nothing else.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ligertune.data import DataError
+from ligertune.recipe import looks_local
+
+if TYPE_CHECKING:
+    import datasets
+
+    from ligertune.recipe import Recipe
+
+BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+TEXT_SUFFIXES = (".json", ".jsonl", ".csv")
+
+
+def load_split(recipe: Recipe, split: str) -> tuple[datasets.Dataset, str]:
+    """One split of ``recipe.data.path`` and a name for it to use in messages."""
+    spec = recipe.data.path
+    if not looks_local(spec):
+        name = f"{spec} (split {split})"
+        dataset = _load_hub(spec, split)
+    else:
+        path = recipe.resolve(spec)
+        if not path.exists():
+            raise DataError(f"data.path: file not found: {path}")
+        name = str(path)
+        dataset = _load_dir(path, split) if path.is_dir() else _load_file(path, split)
+    if len(dataset) == 0:
+        raise DataError(f"{name}: the dataset is empty (split {split} has no rows)")
+    return dataset, name
+
+
+def _load_hub(spec: str, split: str) -> datasets.Dataset:
+    import datasets
+
+    try:
+        return datasets.load_dataset(spec, split=split)
+    except ValueError as e:
+        raise DataError(f"data.path {spec}: {_first_line(e)}") from None
+    except Exception as e:  # network, authentication, missing repository: all say the same to the user
+        raise DataError(
+            f"data.path: cannot load {spec!r} from the hub ({type(e).__name__}: {_first_line(e)}); "
+            "no local file has that name either"
+        ) from None
+
+
+def _load_file(path: Path, split: str) -> datasets.Dataset:
+    import datasets
+
+    builder = BUILDERS.get(path.suffix.lower())
+    if builder is None:
+        raise DataError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(BUILDERS)}")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: the file is empty")
+    if builder in ("json", "csv"):
+        check_utf8(path)
+    try:
+        with _quiet_datasets():
+            return datasets.load_dataset(builder, data_files={"train": str(path)}, split=split)
+    except Exception as e:
+        raise _diagnose(path, split, e) from None
+
+
+def _load_dir(path: Path, split: str) -> datasets.Dataset:
+    import datasets
+
+    if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.Dataset):
+            return loaded  # one split saved on its own
+        if split not in loaded:
+            raise DataError(f"{path}: no split {split!r}; it has {', '.join(loaded)}")
+        return loaded[split]
+    for file in sorted(path.rglob("*")):
+        if file.suffix.lower() in TEXT_SUFFIXES and file.is_file():
+            check_utf8(file)
+    try:
+        with _quiet_datasets():
+            return datasets.load_dataset(str(path), split=split)
+    except Exception as e:
+        raise DataError(f"{path}: cannot load split {split!r}: {_root_message(e)}") from None
+
+
+def check_utf8(path: Path) -> None:
+    """Raise DataError naming the line of the first byte that is not UTF-8."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line = 1
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 20)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as e:
+                # e.object is the decoder's buffer: this chunk plus at most 3 carried bytes, none a newline.
+                where = line + e.object[: e.start].count(b"\n")
+                raise DataError(
+                    f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {where}); "
+                    "re-save the file as UTF-8"
+                ) from None
+            if not chunk:
+                return
+            line += chunk.count(b"\n")
+
+
+def _diagnose(path: Path, split: str, error: Exception) -> DataError:
+    """Turn a failed load of a local file into a message naming the problem."""
+    if "split" in str(error).lower() and split != "train":
+        return DataError(
+            f"{path}: a single file holds one split, train, not {split!r}; point data.path at a directory "
+            "or dataset with that split, or hold out data.validation_fraction instead"
+        )
+    if BUILDERS[path.suffix.lower()] == "json":
+        problem = json_problem(path)
+        if problem:
+            return DataError(f"{path}: {problem}")
+    return DataError(f"{path}: cannot read it as {path.suffix[1:]}: {_root_message(error)}")
+
+
+def json_problem(path: Path) -> str | None:
+    """What is wrong with a JSON or JSON Lines file, or None when it parses as one of them."""
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        return "the file is empty"
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError as e:
+        if e.msg != "Extra data":
+            return f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+        whole = None  # more than one value: JSON Lines
+    if whole is not None:
+        if isinstance(whole, list) and all(isinstance(row, dict) for row in whole):
+            return "the JSON list has no rows" if not whole else None
+        if isinstance(whole, dict):
+            return None
+        return f"expected a JSON list of objects (or one object per line), got a {type(whole).__name__}"
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            return f"line {number} is not valid JSON: {e.msg} at column {e.colno}"
+        if not isinstance(row, dict):
+            return (
+                f"line {number} is a JSON {type(row).__name__}; each line must be an object with the columns"
+            )
+    return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _root_message(error: BaseException) -> str:
+    """The innermost cause's message: `datasets` wraps the useful one in generic errors."""
+    while error.__cause__ is not None or error.__context__ is not None:
+        error = error.__cause__ or error.__context__
+    return f"{type(error).__name__}: {_first_line(error)}"
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """Silence `datasets` logging and progress bars for local loads: failures are reported by us."""
+    import datasets
+
+    logger = logging.getLogger("datasets")
+    level, bars = logger.level, datasets.is_progress_bar_enabled()
+    logger.setLevel(logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
