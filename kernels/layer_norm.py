@@ -1,0 +1,128 @@
+"""LayerNorm: Triton forward and backward.
+
+Math (per row of ``H`` elements, all in fp32, one rounding to the input dtype at the end)::
+
+    μ = mean(x),  x̂ = x − μ,  r = 1 / sqrt(mean(x̂²) + eps)     μ and r saved for backward
+    n = x̂ · r
+    y = w ⊙ n + b
+
+Backward. With ``dn = dy ⊙ w`` and ``∂n_j/∂x_k = r · (δ_jk − 1/H − n_j n_k / H)`` (the −1/H from
+the mean, the last term from r)::
+
+    dx_k = Σ_j dn_j ∂n_j/∂x_k = r · (dn_k − mean(dn) − n_k · mean(dn ⊙ n))
+    dw   = Σ_rows dy ⊙ n
+    db   = Σ_rows dy
+
+The kernels are the RMSNorm row kernels of ``rms_norm.py`` with their ``CENTER`` flag on (the mean
+subtracted before the variance, the extra ``mean(dn)`` term in dx) and a bias; they share its
+launch configuration, persistent backward grid and fp32 per-program dw/db partials. The variance
+is computed two-pass from the row held in registers (no Welford needed: the row is never
+re-read), which is also the numerically safer form.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._utils import use_triton
+from .rms_norm import _row_norm_backward, _row_norm_forward
+
+
+def _check_args(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> None:
+    if not x.is_floating_point():
+        raise TypeError(f"layer_norm input must be a floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("layer_norm input must have at least one dimension (the hidden size is the last)")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    for name, p in (("weight", weight), ("bias", bias)):
+        if p is None:
+            continue
+        if p.dim() != 1 or p.shape[0] != x.shape[-1]:
+            raise ValueError(
+                f"{name} has shape {tuple(p.shape)} but the input's last (normalised) dimension is "
+                f"{x.shape[-1]}: the {name} must be 1-D of that size"
+            )
+        if p.device != x.device:
+            raise ValueError(f"{name} is on {p.device} but the input is on {x.device}; move one of them")
+
+
+class _LayerNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        y, _, x2d, mean, rstd = _row_norm_forward(
+            x, None, weight, bias, eps, 0.0, center=True, llama_cast=False, out_dtype=x.dtype
+        )
+        ctx.save_for_backward(x2d, weight, mean, rstd)
+        ctx.x_shape = x.shape
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight, mean, rstd = ctx.saved_tensors
+        compute_dw = weight is not None and ctx.needs_input_grad[1]
+        compute_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+        dx, dw, db = _row_norm_backward(dy, x2d, weight, mean, rstd, 0.0, False, compute_dw, compute_db)
+        return dx.view(ctx.x_shape), dw, db.to(ctx.bias_dtype) if compute_db else None, None
+
+
+def layer_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5
+) -> torch.Tensor:
+    """LayerNorm in plain PyTorch: fp32 math (any mix of input/parameter dtypes), output in x's dtype."""
+    _check_args(x, weight, bias, eps)
+    y = F.layer_norm(
+        x.float(),
+        (x.shape[-1],),
+        weight.float() if weight is not None else None,
+        bias.float() if bias is not None else None,
+        eps,
+    )
+    return y.to(x.dtype)
+
+
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5
+) -> torch.Tensor:
+    """LayerNorm over the last dimension of ``x`` (any leading shape; ``weight``/``bias`` optional)."""
+    _check_args(x, weight, bias, eps)
+    params = [p for p in (weight, bias) if p is not None]
+    if not use_triton(x, *params):
+        return layer_norm_reference(x, weight, bias, eps)
+    return _LayerNormFunction.apply(x, weight, bias, float(eps))
+
+
+class LayerNorm(nn.Module):
+    """Drop-in for ``torch.nn.LayerNorm`` over one trailing dimension (state_dict ``weight``, ``bias``)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        elementwise_affine: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = (hidden_size,)
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+            if bias:
+                self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+            else:
+                self.register_parameter("bias", None)
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"

@@ -1,0 +1,692 @@
+"""RMSNorm and fused residual-add + RMSNorm: Triton forward and backward.
+
+Math (per row of ``H`` elements; ``g = offset + w`` is the effective gain)::
+
+    r = 1 / sqrt(mean(x²) + eps)          rstd, one fp32 number per row, saved for backward
+    n = x · r                              the normalised row
+    y = g ⊙ n
+
+Backward. With ``dn = dy ⊙ g`` (the gradient reaching ``n``) and ``∂r/∂x_j = −r³ x_j / H``::
+
+    dx_j = r · dn_j − (r³ / H) · x_j · Σ_i dn_i x_i
+         = r · (dn_j − n_j · c),           c = mean(dn ⊙ n)   (one dot product per row)
+    dw   = Σ_rows dy ⊙ n
+
+The fused residual variant computes ``s = x + residual`` (rounded to the input dtype, as the
+model's own ``hidden + residual`` would be), returns ``(rms_norm(s), s)`` and, since both outputs
+depend on ``s`` only, ``dx = dresidual = ds = (the RMSNorm dx above, taken at s) + d(new_residual)``.
+
+LayerNorm (``kernels/layer_norm.py``) is the same row kernel with the mean removed first and a
+bias added; the kernels below carry it behind the ``CENTER`` flag so the launch, persistence and
+dW-reduction logic exist once. Its extra terms are derived there.
+
+Casting modes (so the result equals Hugging Face's modules wherever fp32 arithmetic allows):
+
+* ``"llama"`` (LlamaRMSNorm, Qwen3RMSNorm, Mistral, ...): ``r`` in fp32, ``n`` rounded to the
+  input dtype, *then* multiplied by the weight; the output dtype is the promotion of the input's
+  and the weight's (a bf16 input with an fp32 weight gives fp32, as in HF). ``dw`` uses the rounded
+  ``n`` because that is what the forward multiplied by.
+* ``"gemma"`` (GemmaRMSNorm, Gemma3RMSNorm): everything in fp32, ``(x·r)·(offset + w)``, one
+  rounding to the input dtype at the end. Gemma stores ``w`` with the ``+1`` outside: use
+  ``offset=1.0``.
+
+Performance design (bf16 16384×4096 on an H200: speed of light 0.16 ms for forward + backward,
+i.e. read x, write y; read x and dy, write dx):
+
+* Each program handles a block of ``BLOCK_M`` full rows ``[BLOCK_M, next_pow2(H)]`` held in
+  registers: every input element is loaded once, the reductions are in-register, and no row is
+  re-read. Small hidden sizes (q_norm/k_norm over head_dim 128) get many rows per block.
+* Forward: one block per program (plenty of programs to hide latency).
+* Backward: a persistent grid (as many programs as fit on the device at once, read from the
+  compiled kernel's register count) striding over row blocks. Each program accumulates its share
+  of ``dw`` (and ``db``) in fp32 registers and writes one partial row; a single ``sum(0)`` over
+  the ``[n_programs, H]`` partials finishes the reduction. No atomics. The partial buffer costs
+  little: at 16384×4096 bf16 the kernel compiles to ~116 registers × 256 threads, so 2 programs
+  per SM, 264 × 4096 fp32 = 4.3 MB written and read back (8.7 MB), ≈ 2% of the backward's 403 MB.
+* rstd (and mean for LayerNorm) are saved from the forward as ``[rows]`` fp32.
+* Optional in-place ``dx`` written over ``dy``'s buffer (saves an allocation). Only safe when
+  nothing else reads that ``dy`` afterwards; it falls back to a fresh buffer when ``dy`` is not a
+  plain contiguous tensor of ``x``'s dtype.
+* Offsets switch to int64 when an offset can pass 2³¹ − 1. No host synchronisation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from ._utils import INTERPRET, MAX_FUSED_SIZE, next_power_of_2, num_warps_for, sm_count, use_triton
+
+CASTING_MODES = ("llama", "gemma")
+
+# Elements per program block. On a GPU 4096 keeps ~16 fp32 values per thread per live tensor at
+# 8 warps, leaving room for x, dy, the dw accumulator and temporaries without spilling; rows wider
+# than that get one row per block. The interpreter pays per program and per loop iteration, not
+# per element, so it takes bigger blocks.
+_GPU_BLOCK_ELEMS = 4096
+_INTERPRET_BLOCK_ELEMS = 8192
+# 32-bit registers per SM on every NVIDIA GPU since Maxwell (torch does not report it).
+_REGISTERS_PER_SM = 65536
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+_INTERPRETED = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _round_to(x, dtype: tl.constexpr):
+    """fp32 `x` rounded to nearest (ties to even) in `dtype`, as a GPU's conversion does.
+
+    Triton's CPU interpreter truncates fp32 → bf16; there we round the bits ourselves (add half an
+    ulp of bf16, plus one if the kept last bit is odd, then clear the 16 low bits) so CPU tests see
+    the GPU's numerics and can compare bit for bit with PyTorch. Compiled kernels skip this branch.
+    """
+    if _INTERPRETED:
+        if dtype == tl.bfloat16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@triton.jit
+def _row_norm_fwd_kernel(
+    X,
+    RES,
+    S,
+    Y,
+    W,
+    B,
+    MEAN,
+    RSTD,
+    stride_x,
+    stride_res,
+    stride_s,
+    stride_y,
+    n_rows,
+    n_cols,
+    eps,
+    offset,
+    CENTER: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    LLAMA_CAST: tl.constexpr,
+    INT64: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    if INT64:
+        rows = rows.to(tl.int64)
+
+    # Upcast right after every load: fp32 accumulation (and the interpreter cannot do bf16 math).
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(RES + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        # The model would hold the sum in its own dtype; normalise exactly that rounded value.
+        s = _round_to(x, S.dtype.element_ty)
+        tl.store(S + rows[:, None] * stride_s + cols[None, :], s, mask=mask)
+        x = s.to(tl.float32)
+    if CENTER:
+        mean = tl.sum(x, axis=1) / n_cols
+        x = tl.where(mask, x - mean[:, None], 0.0)
+        tl.store(MEAN + rows, mean, mask=row_mask)
+    rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    tl.store(RSTD + rows, rstd, mask=row_mask)
+
+    y = x * rstd[:, None]
+    if LLAMA_CAST:
+        y = _round_to(y, X.dtype.element_ty).to(tl.float32)
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+        y = y * w[None, :]
+    if HAS_BIAS:
+        y += tl.load(B + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], _round_to(y, Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_norm_bwd_kernel(
+    DY,
+    X,
+    W,
+    MEAN,
+    RSTD,
+    DRES,
+    DX,
+    DW_PARTIAL,
+    DB_PARTIAL,
+    stride_dy,
+    stride_x,
+    stride_dres,
+    stride_dx,
+    n_rows,
+    n_cols,
+    offset,
+    CENTER: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_DRES: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DB: tl.constexpr,
+    LLAMA_CAST: tl.constexpr,
+    INT64: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
+    # Per-program partial sums stay in registers for the whole loop; reduced over rows once.
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+    for block in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+        rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        if INT64:
+            rows = rows.to(tl.int64)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+        if CENTER:
+            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+            x = tl.where(mask, x - mean[:, None], 0.0)
+        n = x * rstd[:, None]
+
+        dn = dy
+        if HAS_WEIGHT:
+            dn = dy * w[None, :]
+        c = tl.sum(dn * n, axis=1) / n_cols
+        if CENTER:
+            dx = (dn - tl.sum(dn, axis=1)[:, None] / n_cols - n * c[:, None]) * rstd[:, None]
+        else:
+            dx = (dn - n * c[:, None]) * rstd[:, None]
+        if HAS_DRES:
+            dx += tl.load(DRES + rows[:, None] * stride_dres + cols[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+        tl.store(
+            DX + rows[:, None] * stride_dx + cols[None, :], _round_to(dx, DX.dtype.element_ty), mask=mask
+        )
+
+        if COMPUTE_DW:
+            if LLAMA_CAST:
+                n = _round_to(n, X.dtype.element_ty).to(tl.float32)
+            dw_acc += dy * n
+        if COMPUTE_DB:
+            db_acc += dy
+
+    # Every program writes its whole partial row (zeros if it had no block), so the buffers can
+    # be allocated uninitialised.
+    if COMPUTE_DW:
+        tl.store(DW_PARTIAL + pid * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+    if COMPUTE_DB:
+        tl.store(DB_PARTIAL + pid * n_cols + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch helpers (shared with layer_norm.py)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _LaunchConfig:
+    block_m: int  # rows per block
+    block_n: int  # next power of two of the hidden size
+    num_warps: int
+
+
+def _launch_config(n_rows: int, n_cols: int, device: torch.device) -> _LaunchConfig:
+    block_n = next_power_of_2(n_cols)
+    if block_n > MAX_FUSED_SIZE:
+        raise ValueError(
+            f"hidden size {n_cols} is wider than the {MAX_FUSED_SIZE} elements a row-norm kernel keeps in "
+            "registers; use the PyTorch module for this layer (disable kernels.rms_norm/layer_norm)"
+        )
+    budget = _GPU_BLOCK_ELEMS if device.type == "cuda" else _INTERPRET_BLOCK_ELEMS
+    block_m = max(1, min(budget // block_n, next_power_of_2(max(n_rows, 1))))
+    return _LaunchConfig(block_m, block_n, num_warps_for(block_m * block_n))
+
+
+_programs_per_sm: dict[tuple, int] = {}
+
+
+def _persistent_programs(kernel, args: tuple, flags: dict, device: torch.device) -> int:
+    """Size of a persistent grid: as many programs as the device can hold resident at once.
+
+    Occupancy comes from the compiled kernel's register count and the SM's thread limit (the
+    method of Triton's fused-softmax tutorial); it is computed once per specialisation. On the
+    interpreter: one program per stand-in SM, so CPU tests loop several times per program.
+    """
+    if device.type != "cuda":
+        return sm_count(device)
+    key = (device, tuple(flags.items()), tuple(getattr(a, "dtype", a is None) for a in args))
+    per_sm = _programs_per_sm.get(key)
+    if per_sm is None:
+        compiled = kernel.warmup(*args, grid=(1,), **flags)
+        compiled._init_handles()
+        threads = compiled.metadata.num_warps * 32
+        max_threads = torch.cuda.get_device_properties(device).max_threads_per_multi_processor
+        per_sm = max(1, min(max_threads // threads, _REGISTERS_PER_SM // (max(compiled.n_regs, 1) * threads)))
+        _programs_per_sm[key] = per_sm
+    return sm_count(device) * per_sm
+
+
+def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """View `t` as [rows, n_cols] with unit column stride (copies only when no such view exists)."""
+    t2d = t.reshape(-1, n_cols)
+    return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
+
+
+def _offsets_need_int64(*tensors_2d: torch.Tensor | None) -> bool:
+    """Whether the largest element offset of any [rows, H] view reaches 2**31 - 1.
+
+    Stride-aware (unlike counting elements): a row-strided view of a large buffer can need int64
+    offsets while holding few elements.
+    """
+    return any(
+        t is not None and t.numel() > 0 and (t.shape[0] - 1) * t.stride(0) + t.shape[1] >= 2**31 - 1
+        for t in tensors_2d
+    )
+
+
+def _check_triton_dtype(name: str, t: torch.Tensor | None) -> None:
+    if t is not None and t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; the Triton norm kernels take float32, bfloat16 or float16 "
+            f"(cast it, e.g. {name}.float())"
+        )
+
+
+def _row_norm_forward(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    center: bool,
+    llama_cast: bool,
+    out_dtype: torch.dtype,
+):
+    """Launch the forward kernel on [..., H] inputs.
+
+    Returns ``(y, s, x_saved, mean, rstd)``: ``y`` shaped like ``x``; ``s = x + residual`` (or None);
+    ``x_saved`` the [rows, H] tensor the backward must read (``s`` when fused); ``mean`` (None
+    unless ``center``) and ``rstd`` as [rows] fp32.
+    """
+    for name, t in (("x", x), ("residual", residual), ("weight", weight), ("bias", bias)):
+        _check_triton_dtype(name, t)
+    n_cols = x.shape[-1]
+    x2d = _as_rows(x, n_cols)
+    res2d = _as_rows(residual, n_cols) if residual is not None else None
+    n_rows = x2d.shape[0]
+    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
+    s = torch.empty_like(y, dtype=x.dtype) if residual is not None else None
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    mean = torch.empty(n_rows, dtype=torch.float32, device=x.device) if center else None
+    if n_rows > 0:
+        cfg = _launch_config(n_rows, n_cols, x.device)
+        _row_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
+            x2d,
+            res2d,
+            s,
+            y,
+            weight.contiguous() if weight is not None else None,
+            bias.contiguous() if bias is not None else None,
+            mean,
+            rstd,
+            x2d.stride(0),
+            res2d.stride(0) if res2d is not None else 0,
+            n_cols,
+            n_cols,
+            n_rows,
+            n_cols,
+            eps,
+            offset,
+            CENTER=center,
+            HAS_RESIDUAL=residual is not None,
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
+            LLAMA_CAST=llama_cast,
+            INT64=_offsets_need_int64(x2d, res2d, y),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps,
+        )
+    x_saved = s if s is not None else x2d
+    y = y.view(x.shape)
+    return y, (s.view(x.shape) if s is not None else None), x_saved, mean, rstd
+
+
+def _row_norm_backward(
+    dy: torch.Tensor,
+    x2d: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float,
+    llama_cast: bool,
+    compute_dw: bool,
+    compute_db: bool,
+    dres: torch.Tensor | None = None,
+    in_place: bool = False,
+):
+    """Launch the backward kernel. Returns ``(dx [rows, H], dw or None, db or None)``: ``dw`` in
+    the weight's dtype, ``db`` in fp32 (the caller knows the bias dtype).
+
+    ``dres`` is an extra gradient added to ``dx`` (the fused residual's second output).
+    """
+    n_rows, n_cols = x2d.shape
+    dy2d = _as_rows(dy, n_cols)
+    dres2d = _as_rows(dres, n_cols) if dres is not None else None
+    # dx may overwrite dy only when dy is a dense buffer of dx's dtype (a broadcast dy would make
+    # rows alias each other). If _as_rows had to copy dy, the copy is ours to overwrite anyway.
+    if in_place and dy2d.dtype == x2d.dtype and dy2d.is_contiguous():
+        dx = dy2d
+    else:
+        dx = torch.empty_like(x2d, memory_format=torch.contiguous_format)
+    if n_rows == 0:
+        dw = torch.zeros_like(weight) if compute_dw else None
+        db = torch.zeros(n_cols, dtype=torch.float32, device=x2d.device) if compute_db else None
+        return dx, dw, db
+
+    cfg = _launch_config(n_rows, n_cols, x2d.device)
+    weight = weight.contiguous() if weight is not None else None
+
+    def args(dw_partial, db_partial):
+        return (
+            dy2d, x2d, weight, mean, rstd, dres2d, dx, dw_partial, db_partial,
+            dy2d.stride(0), x2d.stride(0), dres2d.stride(0) if dres2d is not None else 0, dx.stride(0),
+            n_rows, n_cols, offset,
+        )  # fmt: skip
+
+    flags = dict(
+        CENTER=mean is not None,
+        HAS_WEIGHT=weight is not None,
+        HAS_DRES=dres is not None,
+        COMPUTE_DW=compute_dw,
+        COMPUTE_DB=compute_db,
+        LLAMA_CAST=llama_cast,
+        INT64=_offsets_need_int64(dy2d, x2d, dres2d, dx),
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        num_warps=cfg.num_warps,
+    )
+    # The grid must be known to size the partial buffers; only their dtype matters to compile
+    # (Triton's warmup takes a torch dtype in place of a tensor).
+    partial_spec = (torch.float32 if compute_dw else None, torch.float32 if compute_db else None)
+    n_programs = min(
+        triton.cdiv(n_rows, cfg.block_m),
+        _persistent_programs(_row_norm_bwd_kernel, args(*partial_spec), flags, x2d.device),
+    )
+    dw_partial, db_partial = (
+        torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device) if needed else None
+        for needed in (compute_dw, compute_db)
+    )
+    _row_norm_bwd_kernel[(n_programs,)](*args(dw_partial, db_partial), **flags)
+    dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
+    db = db_partial.sum(0) if compute_db else None
+    return dx, dw, db
+
+
+# --------------------------------------------------------------------------------------------
+# Input checks and output dtype (shared by the Triton path and the reference)
+# --------------------------------------------------------------------------------------------
+
+
+def _check_args(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str
+) -> None:
+    if casting_mode not in CASTING_MODES:
+        raise ValueError(
+            f"casting_mode={casting_mode!r} is not one of {CASTING_MODES}: 'llama' for Llama/Qwen/Mistral "
+            "norms (x·rstd rounded to the input dtype, then × weight), 'gemma' for Gemma (all fp32)"
+        )
+    if not x.is_floating_point():
+        raise TypeError(f"rms_norm input must be a floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError("rms_norm input must have at least one dimension (the hidden size is the last)")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    if weight is None:
+        if offset != 0.0:
+            raise ValueError(
+                f"offset={offset} shifts the weight, but weight is None; pass a weight or offset=0"
+            )
+        return
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)} but the input's last (normalised) dimension is "
+            f"{x.shape[-1]}: the weight must be 1-D of that size"
+        )
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but the input is on {x.device}; move one of them")
+
+
+def _output_dtype(x: torch.Tensor, weight: torch.Tensor | None, casting_mode: str) -> torch.dtype:
+    # HF's Llama norm returns `weight * n.to(input_dtype)`, which type-promotes; Gemma's casts back.
+    if casting_mode == "llama" and weight is not None:
+        return torch.promote_types(x.dtype, weight.dtype)
+    return x.dtype
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd functions
+# --------------------------------------------------------------------------------------------
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting_mode, in_place):
+        llama_cast = casting_mode == "llama"
+        y, _, x2d, _, rstd = _row_norm_forward(
+            x, None, weight, None, eps, offset, False, llama_cast, _output_dtype(x, weight, casting_mode)
+        )
+        ctx.save_for_backward(x2d, weight, rstd)
+        ctx.offset, ctx.llama_cast, ctx.in_place, ctx.x_shape = offset, llama_cast, in_place, x.shape
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2d, weight, rstd = ctx.saved_tensors
+        compute_dw = weight is not None and ctx.needs_input_grad[1]
+        dx, dw, _ = _row_norm_backward(
+            dy, x2d, weight, None, rstd, ctx.offset, ctx.llama_cast, compute_dw, False, in_place=ctx.in_place
+        )
+        return dx.view(ctx.x_shape), dw, None, None, None, None
+
+
+class _AddRMSNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, offset, casting_mode):
+        llama_cast = casting_mode == "llama"
+        y, s, s2d, _, rstd = _row_norm_forward(
+            x, residual, weight, None, eps, offset, False, llama_cast, _output_dtype(x, weight, casting_mode)
+        )
+        ctx.save_for_backward(s2d, weight, rstd)
+        ctx.offset, ctx.llama_cast, ctx.x_shape = offset, llama_cast, x.shape
+        # Unused outputs get None gradients instead of materialised zeros (no extra reads).
+        ctx.set_materialize_grads(False)
+        return y, s
+
+    @staticmethod
+    def backward(ctx, dy, ds):
+        s2d, weight, rstd = ctx.saved_tensors
+        if dy is None:
+            # Only new_residual was used: its gradient passes straight to both inputs; the weight
+            # had no effect (None reads as zero).
+            return ds, ds, None, None, None, None
+        compute_dw = weight is not None and ctx.needs_input_grad[2]
+        dsum, dw, _ = _row_norm_backward(
+            dy, s2d, weight, None, rstd, ctx.offset, ctx.llama_cast, compute_dw, False, dres=ds
+        )
+        dsum = dsum.view(ctx.x_shape)
+        # s = x + residual: both inputs receive the same gradient (autograd copies before any
+        # in-place accumulation into a shared tensor).
+        return dsum, dsum, dw, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Pure-PyTorch references (CPU fallback and test oracle for the HF-matching semantics)
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+    in_place: bool = False,
+) -> torch.Tensor:
+    """RMSNorm in plain PyTorch, operation for operation as HF's Llama ("llama") or Gemma ("gemma")
+    module. ``in_place`` is accepted for signature parity and has no effect (autograd owns dx)."""
+    _check_args(x, weight, eps, offset, casting_mode)
+    xf = x.to(torch.float32)
+    n = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if casting_mode == "llama":
+        n = n.to(x.dtype)
+        if weight is None:
+            return n
+        # LlamaRMSNorm's `weight * n` is evaluated by torch as an fp32 product rounded once to the
+        # promoted dtype; this is the same product (identical bits for offset=0), with
+        # (offset + weight) kept in fp32 like the kernel.
+        return ((offset + weight.float()) * n.float()).to(_output_dtype(x, weight, casting_mode))
+    if weight is not None:
+        n = n * (offset + weight.float())
+    return n.type_as(x)
+
+
+def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        raise ValueError(
+            f"residual ({tuple(residual.shape)}, {residual.dtype}, {residual.device}) must match x "
+            f"({tuple(x.shape)}, {x.dtype}, {x.device}) in shape, dtype and device"
+        )
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = x + residual; return rms_norm_reference(s, ...), s`` in plain PyTorch."""
+    _check_residual(x, residual)
+    s = x + residual
+    return rms_norm_reference(s, weight, eps, offset, casting_mode), s
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+    in_place: bool = False,
+) -> torch.Tensor:
+    """RMSNorm over the last dimension of ``x`` (any leading shape, e.g. [B, S, heads, head_dim]).
+
+    ``y = (offset + weight) ⊙ x / sqrt(mean(x²) + eps)`` with the rounding of ``casting_mode``
+    (see the module docstring). ``weight=None`` means no affine. ``in_place=True`` writes dx over
+    the incoming gradient's buffer in backward: use it only when nothing else reads that gradient.
+    """
+    _check_args(x, weight, eps, offset, casting_mode)
+    if not use_triton(x, *([weight] if weight is not None else [])):
+        return rms_norm_reference(x, weight, eps, offset, casting_mode)
+    return _RMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode, in_place)
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    offset: float = 0.0,
+    casting_mode: str = "llama",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``s = x + residual`` and RMSNorm in one pass. Returns ``(rms_norm(s), s)``.
+
+    One read of each input and one write of each output in the forward; the backward reads the
+    saved ``s`` and both incoming gradients once and returns the same gradient for ``x`` and
+    ``residual``.
+    """
+    _check_residual(x, residual)
+    _check_args(x, weight, eps, offset, casting_mode)
+    if not use_triton(x, residual, *([weight] if weight is not None else [])):
+        return add_rms_norm_reference(x, residual, weight, eps, offset, casting_mode)
+    return _AddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset), casting_mode)
+
+
+class RMSNorm(nn.Module):
+    """Drop-in for HF's RMSNorm modules (state_dict key ``weight``).
+
+    The weight starts at ``1 - offset`` so the effective gain ``offset + weight`` starts at one:
+    ones for Llama-style norms, zeros for Gemma (``offset=1.0``).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        offset: float = 0.0,
+        casting_mode: str = "llama",
+        in_place: bool = False,
+        elementwise_affine: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if casting_mode not in CASTING_MODES:
+            raise ValueError(f"casting_mode={casting_mode!r} is not one of {CASTING_MODES}")
+        if not elementwise_affine and offset != 0.0:
+            raise ValueError("offset shifts the weight; it needs elementwise_affine=True")
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        self.offset = offset
+        self.casting_mode = casting_mode
+        self.in_place = in_place
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.full((hidden_size,), 1.0 - offset, dtype=dtype, device=device))
+        else:
+            self.register_parameter("weight", None)
+
+    @property
+    def eps(self) -> float:
+        """Gemma's modules call it ``eps``; Llama's ``variance_epsilon``. Both read the same value."""
+        return self.variance_epsilon
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(
+            hidden_states, self.weight, self.variance_epsilon, self.offset, self.casting_mode, self.in_place
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.hidden_size}, eps={self.variance_epsilon}, offset={self.offset}, "
+            f"casting_mode={self.casting_mode!r}, in_place={self.in_place}"
+        )
