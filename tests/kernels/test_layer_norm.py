@@ -63,37 +63,37 @@ def make_params(hidden, dtype, device, weight=True, bias=True):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_layer_norm_matches_float64(shape, dtype):
+def test_layer_norm_matches_float64(shape, dtype, device):
     # A non-zero mean (offset 3) so a missing centring term shows.
-    x = (fresh_randn(*shape) + 3.0).to(dtype).requires_grad_()
+    x = (fresh_randn(*shape, device=device) + 3.0).to(dtype).requires_grad_()
     check_layer_norm(x, *make_params(shape[-1], dtype, x.device))
 
 
 @pytest.mark.parametrize("weight,bias", [(False, False), (True, False), (False, True)])
-def test_optional_weight_and_bias(weight, bias):
-    x = fresh_randn(13, 1000, dtype=torch.bfloat16, requires_grad=True)
+def test_optional_weight_and_bias(weight, bias, device):
+    x = fresh_randn(13, 1000, dtype=torch.bfloat16, requires_grad=True, device=device)
     check_layer_norm(x, *make_params(1000, torch.bfloat16, x.device, weight, bias))
 
 
-def test_strided_input_and_grad():
-    x = fresh_randn(22, 1000)[::2].detach().requires_grad_()  # row stride 2000
-    dy = fresh_randn(1000, 11).t()  # column stride 11
+def test_strided_input_and_grad(device):
+    x = fresh_randn(22, 1000, device=device)[::2].detach().requires_grad_()  # row stride 2000
+    dy = fresh_randn(1000, 11, device=device).t()  # column stride 11
     check_layer_norm(x, *make_params(1000, torch.float32, x.device), dy=dy)
-    xt = fresh_randn(1000, 6, dtype=torch.bfloat16).t().detach().requires_grad_()  # copied
+    xt = fresh_randn(1000, 6, dtype=torch.bfloat16, device=device).t().detach().requires_grad_()  # copied
     check_layer_norm(xt, *make_params(1000, torch.bfloat16, xt.device))
 
 
-def test_gpu_like_config_and_int64_path(monkeypatch):
+def test_one_row_per_block_config_and_int64_path(monkeypatch, device):
     """One row per block, a 3-program persistent grid over 13 rows, int64 offsets forced."""
     monkeypatch.setattr(rms_module, "_launch_config", lambda *a: rms_module._LaunchConfig(1, 1024, 4))
     monkeypatch.setattr(rms_module, "_persistent_programs", lambda *a: 3)
     monkeypatch.setattr(rms_module, "_offsets_need_int64", lambda *ts: True)
-    x = fresh_randn(13, 1000, requires_grad=True)
+    x = fresh_randn(13, 1000, requires_grad=True, device=device)
     check_layer_norm(x, *make_params(1000, torch.float32, x.device))
 
 
-def test_frozen_params():
-    x = fresh_randn(5, 1000, requires_grad=True)
+def test_frozen_params(device):
+    x = fresh_randn(5, 1000, requires_grad=True, device=device)
     w, b = make_params(1000, torch.float32, x.device)
     check_layer_norm(x, w.detach(), b.detach())
 
@@ -149,16 +149,19 @@ def test_cpu_fallback_without_interpreter(monkeypatch):
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: layer_norm(torch.randn(2, 8), torch.ones(7)), "weight has shape"),
-        (lambda: layer_norm(torch.randn(2, 8), None, torch.ones(2, 8)), "bias has shape"),
-        (lambda: layer_norm(torch.randn(2, 8), eps=-1.0), "eps"),
-        (lambda: layer_norm(torch.ones(2, 8, dtype=torch.int64)), "floating-point"),
-        (lambda: layer_norm(torch.randn(1, 65537)), "wider than"),
+        (lambda d: layer_norm(torch.randn(2, 8, device=d), torch.ones(7, device=d)), "weight has shape"),
+        (
+            lambda d: layer_norm(torch.randn(2, 8, device=d), None, torch.ones(2, 8, device=d)),
+            "bias has shape",
+        ),
+        (lambda d: layer_norm(torch.randn(2, 8, device=d), eps=-1.0), "eps"),
+        (lambda d: layer_norm(torch.ones(2, 8, dtype=torch.int64, device=d)), "floating-point"),
+        (lambda d: layer_norm(torch.randn(1, 65537, device=d)), "wider than"),
     ],
 )
-def test_bad_input_errors(call, match):
+def test_bad_input_errors(call, match, device):
     with pytest.raises((ValueError, TypeError), match=match):
-        call()
+        call(device)
 
 
 @pytest.mark.gpu

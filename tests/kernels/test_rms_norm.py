@@ -112,8 +112,8 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode,offset", MODES)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_rms_norm_matches_float64(shape, mode, offset, dtype, poisoned_allocations):
-    x = fresh_randn(*shape, dtype=dtype, requires_grad=True)
+def test_rms_norm_matches_float64(shape, mode, offset, dtype, poisoned_allocations, device):
+    x = fresh_randn(*shape, dtype=dtype, requires_grad=True, device=device)
     check_rms_norm(x, make_weight(shape[-1], offset, dtype, x.device), mode, offset)
 
 
@@ -126,27 +126,27 @@ def test_shapes_exercise_persistent_loop():
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode", ["llama", "gemma"])
-def test_rms_norm_without_weight(mode, dtype, poisoned_allocations):
-    x = fresh_randn(13, 1000, dtype=dtype, requires_grad=True)
+def test_rms_norm_without_weight(mode, dtype, poisoned_allocations, device):
+    x = fresh_randn(13, 1000, dtype=dtype, requires_grad=True, device=device)
     check_rms_norm(x, None, mode, 0.0)
 
 
-def test_gpu_like_config_one_row_per_block(monkeypatch, poisoned_allocations):
+def test_one_row_per_block_config(monkeypatch, poisoned_allocations, device):
     """One row per block and a 3-program persistent grid over 13 rows (uneven iterations), as on a GPU."""
     monkeypatch.setattr(rms_module, "_launch_config", lambda *a: rms_module._LaunchConfig(1, 1024, 4))
     monkeypatch.setattr(rms_module, "_persistent_programs", lambda *a: 3)
     for mode, offset in MODES:
-        x = fresh_randn(13, 1000, dtype=torch.bfloat16, requires_grad=True)
+        x = fresh_randn(13, 1000, dtype=torch.bfloat16, requires_grad=True, device=device)
         check_rms_norm(x, make_weight(1000, offset, torch.bfloat16, x.device), mode, offset)
 
 
-def test_int64_offsets_path(monkeypatch, poisoned_allocations):
+def test_int64_offsets_path(monkeypatch, poisoned_allocations, device):
     """The int64-offset variant computes the same thing (real > 2**31 sizes run in the GPU test)."""
     monkeypatch.setattr(rms_module, "_offsets_need_int64", lambda *ts: True)
     for mode, offset in MODES:
-        x = fresh_randn(9, 1000, dtype=torch.float32, requires_grad=True)
+        x = fresh_randn(9, 1000, dtype=torch.float32, requires_grad=True, device=device)
         check_rms_norm(x, make_weight(1000, offset, torch.float32, x.device), mode, offset)
-        r = fresh_randn(9, 1000, requires_grad=True)
+        r = fresh_randn(9, 1000, requires_grad=True, device=device)
         check_add_rms_norm(x, r, make_weight(1000, offset, torch.float32, x.device), mode, offset)
 
 
@@ -158,69 +158,73 @@ def test_offsets_need_int64_is_stride_aware():
 
 
 @pytest.mark.parametrize("mode,offset", MODES)
-def test_non_contiguous_inputs_and_grads(mode, offset, poisoned_allocations):
+def test_non_contiguous_inputs_and_grads(mode, offset, poisoned_allocations, device):
     # Row-strided view (no copy needed): every other row of a [2·R, H] buffer.
-    base = fresh_randn(2 * 11, 1000, dtype=torch.bfloat16)
+    base = fresh_randn(2 * 11, 1000, dtype=torch.bfloat16, device=device)
     x = base[::2].detach().requires_grad_()
     assert not x.is_contiguous()
     w = make_weight(1000, offset, torch.bfloat16, x.device)
-    dy = fresh_randn(1000, 2 * 11, dtype=torch.bfloat16).t()[::2]  # [11, 1000], column stride 22
+    dy = fresh_randn(1000, 2 * 11, dtype=torch.bfloat16, device=device).t()[
+        ::2
+    ]  # [11, 1000], column stride 22
     check_rms_norm(x, w, mode, offset, dy=dy)
     # Transposed input: last-dim stride != 1, so the op copies.
-    xt = fresh_randn(1000, 2, 3, dtype=torch.float32).permute(1, 2, 0).detach().requires_grad_()
+    xt = (
+        fresh_randn(1000, 2, 3, dtype=torch.float32, device=device).permute(1, 2, 0).detach().requires_grad_()
+    )
     check_rms_norm(xt, make_weight(1000, offset, torch.float32, xt.device), mode, offset)
 
 
-def test_broadcast_grad_output(poisoned_allocations):
+def test_broadcast_grad_output(poisoned_allocations, device):
     """dy with a zero row stride (an expanded gradient): read correctly, never written over."""
-    x = fresh_randn(6, 1000, requires_grad=True)
-    dy = fresh_randn(1, 1000).expand(6, 1000)
+    x = fresh_randn(6, 1000, requires_grad=True, device=device)
+    dy = fresh_randn(1, 1000, device=device).expand(6, 1000)
     check_rms_norm(x, make_weight(1000, 0.0, torch.float32, x.device), "llama", 0.0, dy=dy, in_place=True)
 
 
-def test_float16(poisoned_allocations):
-    x = fresh_randn(2, 7, 3072, dtype=torch.float16, requires_grad=True)
+def test_float16(poisoned_allocations, device):
+    x = fresh_randn(2, 7, 3072, dtype=torch.float16, requires_grad=True, device=device)
     for mode, offset in MODES:
         check_rms_norm(x, make_weight(3072, offset, torch.float16, x.device), mode, offset)
 
 
-def test_fp32_weight_with_bf16_input_promotes_like_hf(poisoned_allocations):
+def test_fp32_weight_with_bf16_input_promotes_like_hf(poisoned_allocations, device):
     """Llama mode: bf16 x, fp32 weight → fp32 output (HF's `weight * n.to(bf16)` promotes)."""
-    x = fresh_randn(7, 1000, dtype=torch.bfloat16, requires_grad=True)
+    x = fresh_randn(7, 1000, dtype=torch.bfloat16, requires_grad=True, device=device)
     w = make_weight(1000, 0.0, torch.float32, x.device)
     check_rms_norm(x, w, "llama", 0.0, tol_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_in_place_dx_reuses_grad_buffer(dtype, poisoned_allocations):
-    x = fresh_randn(2, 9, 2304, dtype=dtype, requires_grad=True)
+def test_in_place_dx_reuses_grad_buffer(dtype, poisoned_allocations, device):
+    x = fresh_randn(2, 9, 2304, dtype=dtype, requires_grad=True, device=device)
     w = make_weight(2304, 0.0, dtype, x.device)
-    dy = fresh_randn(2, 9, 2304, dtype=dtype)
+    dy = fresh_randn(2, 9, 2304, dtype=dtype, device=device)
     _, dx, _ = check_rms_norm(x, w, "llama", 0.0, dy=dy, in_place=True)
     assert dx.data_ptr() == dy.data_ptr(), "in_place=True should write dx over dy's buffer"
 
 
-def test_in_place_falls_back_when_dtypes_differ(poisoned_allocations):
-    x = fresh_randn(5, 1000, dtype=torch.bfloat16, requires_grad=True)
+def test_in_place_falls_back_when_dtypes_differ(poisoned_allocations, device):
+    x = fresh_randn(5, 1000, dtype=torch.bfloat16, requires_grad=True, device=device)
     w = make_weight(1000, 0.0, torch.float32, x.device)  # fp32 output → fp32 dy, bf16 dx
-    dy = fresh_randn(5, 1000)
+    dy = fresh_randn(5, 1000, device=device)
     _, dx, _ = check_rms_norm(x, w, "llama", 0.0, dy=dy, in_place=True, tol_dtype=torch.bfloat16)
     assert dx.data_ptr() != dy.data_ptr()
 
 
-def test_frozen_weight_skips_dw(poisoned_allocations):
-    x = fresh_randn(5, 1000, requires_grad=True)
+def test_frozen_weight_skips_dw(poisoned_allocations, device):
+    x = fresh_randn(5, 1000, requires_grad=True, device=device)
     w = make_weight(1000, 0.0, torch.float32, x.device).detach()
     check_rms_norm(x, w, "llama", 0.0)
 
 
-def test_zero_rows():
-    x = torch.randn(0, 64, requires_grad=True)
-    w = torch.randn(64, requires_grad=True)
+def test_zero_rows(device):
+    x = torch.randn(0, 64, device=device, requires_grad=True)
+    w = torch.randn(64, device=device, requires_grad=True)
     y = rms_norm(x, w)
     assert y.shape == (0, 64)
     y.sum().backward()
-    assert x.grad.shape == (0, 64) and torch.equal(w.grad, torch.zeros(64))
+    assert x.grad.shape == (0, 64) and torch.equal(w.grad, torch.zeros_like(w))
 
 
 # ------------------------------------------------------------------------------ add + RMSNorm
@@ -239,10 +243,10 @@ def check_add_rms_norm(x, residual, weight, mode, offset, use=("normed", "residu
 
     outs, outs64, gouts = [], [], []
     if "normed" in use:
-        g = fresh_randn(*normed.shape, dtype=normed.dtype)
+        g = fresh_randn(*normed.shape, dtype=normed.dtype, device=x.device)
         outs, outs64, gouts = [normed], [normed64], [g]
     if "residual" in use:
-        g = fresh_randn(*new_res.shape, dtype=new_res.dtype)
+        g = fresh_randn(*new_res.shape, dtype=new_res.dtype, device=x.device)
         outs, outs64, gouts = outs + [new_res], outs64 + [s64], gouts + [g]
     dx, dr, dw = grads(outs, [x, residual, weight], gouts)
     dx64, dr64, dw64 = grads(outs64, [x64, r64, w64], [g.double() for g in gouts])
@@ -255,22 +259,22 @@ def check_add_rms_norm(x, residual, weight, mode, offset, use=("normed", "residu
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("mode,offset", MODES)
 @pytest.mark.parametrize("shape", [(1, 1000), (64, 1000), (2, 3, 3072), (2, 5, 4, 128)], ids=str)
-def test_add_rms_norm_matches_float64(shape, mode, offset, dtype, poisoned_allocations):
-    x = fresh_randn(*shape, dtype=dtype, requires_grad=True)
-    r = fresh_randn(*shape, dtype=dtype, scale=3.0, requires_grad=True)
+def test_add_rms_norm_matches_float64(shape, mode, offset, dtype, poisoned_allocations, device):
+    x = fresh_randn(*shape, dtype=dtype, requires_grad=True, device=device)
+    r = fresh_randn(*shape, dtype=dtype, scale=3.0, requires_grad=True, device=device)
     check_add_rms_norm(x, r, make_weight(shape[-1], offset, dtype, x.device), mode, offset)
 
 
 @pytest.mark.parametrize("use", [("normed",), ("residual",)], ids=str)
-def test_add_rms_norm_one_output_used(use, poisoned_allocations):
-    x = fresh_randn(6, 2304, requires_grad=True)
-    r = fresh_randn(6, 2304, requires_grad=True)
+def test_add_rms_norm_one_output_used(use, poisoned_allocations, device):
+    x = fresh_randn(6, 2304, requires_grad=True, device=device)
+    r = fresh_randn(6, 2304, requires_grad=True, device=device)
     check_add_rms_norm(x, r, make_weight(2304, 0.0, torch.float32, x.device), "llama", 0.0, use=use)
 
 
-def test_add_rms_norm_without_weight_and_strided(poisoned_allocations):
-    x = fresh_randn(10, 2304, dtype=torch.bfloat16)[::2].detach().requires_grad_()
-    r = fresh_randn(5, 2304, dtype=torch.bfloat16, requires_grad=True)
+def test_add_rms_norm_without_weight_and_strided(poisoned_allocations, device):
+    x = fresh_randn(10, 2304, dtype=torch.bfloat16, device=device)[::2].detach().requires_grad_()
+    r = fresh_randn(5, 2304, dtype=torch.bfloat16, requires_grad=True, device=device)
     check_add_rms_norm(x, r, None, "gemma", 0.0)
 
 
@@ -328,9 +332,9 @@ def check_vs_hf(hf_cls, ours_kw, shape, dtype, device, min_bit_equal=None):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hf_cls,ours_kw,shape,_", HF_CASES, ids=lambda v: getattr(v, "__name__", ""))
-def test_matches_hf_modules(hf_cls, ours_kw, shape, _, dtype):
-    # Measured here: bf16 forward 100% bit-identical to HF (fp32 ~80-90%: last-bit rstd differences).
-    check_vs_hf(hf_cls, ours_kw, shape, dtype, "cpu", 0.99 if dtype == torch.bfloat16 else None)
+def test_matches_hf_modules(hf_cls, ours_kw, shape, _, dtype, device):
+    # Measured on CPU: bf16 forward 100% bit-identical to HF (fp32 ~80-90%: last-bit rstd differences).
+    check_vs_hf(hf_cls, ours_kw, shape, dtype, device, 0.99 if dtype == torch.bfloat16 else None)
 
 
 def test_module_state_dict_and_init():
@@ -361,23 +365,34 @@ def test_cpu_fallback_without_interpreter(monkeypatch):
 @pytest.mark.parametrize(
     "call,match",
     [
-        (lambda: rms_norm(torch.randn(2, 8), torch.ones(8), casting_mode="t5"), "casting_mode"),
-        (lambda: rms_norm(torch.randn(2, 8), torch.ones(7)), "last .* dimension is 8"),
-        (lambda: rms_norm(torch.randn(2, 8), torch.ones(2, 8)), "must be 1-D"),
-        (lambda: rms_norm(torch.randn(2, 8), None, offset=1.0), "weight is None"),
-        (lambda: rms_norm(torch.randn(2, 8), eps=-1.0), "eps"),
-        (lambda: rms_norm(torch.ones(2, 8, dtype=torch.int32)), "floating-point"),
-        (lambda: rms_norm(torch.randn(2, 8, dtype=torch.float64)), "float32, bfloat16 or float16"),
-        (lambda: rms_norm(torch.randn(1, 65537)), "wider than"),
-        (lambda: add_rms_norm(torch.randn(2, 8), torch.randn(2, 9)), "residual"),
-        (lambda: add_rms_norm(torch.randn(2, 8), torch.randn(2, 8, dtype=torch.bfloat16)), "residual"),
-        (lambda: RMSNorm(8, casting_mode="gemma2"), "casting_mode"),
-        (lambda: RMSNorm(8, offset=1.0, elementwise_affine=False), "elementwise_affine"),
+        (
+            lambda d: rms_norm(torch.randn(2, 8, device=d), torch.ones(8, device=d), casting_mode="t5"),
+            "casting_mode",
+        ),
+        (lambda d: rms_norm(torch.randn(2, 8, device=d), torch.ones(7, device=d)), "last .* dimension is 8"),
+        (lambda d: rms_norm(torch.randn(2, 8, device=d), torch.ones(2, 8, device=d)), "must be 1-D"),
+        (lambda d: rms_norm(torch.randn(2, 8, device=d), None, offset=1.0), "weight is None"),
+        (lambda d: rms_norm(torch.randn(2, 8, device=d), eps=-1.0), "eps"),
+        (lambda d: rms_norm(torch.ones(2, 8, dtype=torch.int32, device=d)), "floating-point"),
+        (
+            lambda d: rms_norm(torch.randn(2, 8, dtype=torch.float64, device=d)),
+            "float32, bfloat16 or float16",
+        ),
+        (lambda d: rms_norm(torch.randn(1, 65537, device=d)), "wider than"),
+        (lambda d: add_rms_norm(torch.randn(2, 8, device=d), torch.randn(2, 9, device=d)), "residual"),
+        (
+            lambda d: add_rms_norm(
+                torch.randn(2, 8, device=d), torch.randn(2, 8, dtype=torch.bfloat16, device=d)
+            ),
+            "residual",
+        ),
+        (lambda d: RMSNorm(8, casting_mode="gemma2"), "casting_mode"),
+        (lambda d: RMSNorm(8, offset=1.0, elementwise_affine=False), "elementwise_affine"),
     ],
 )
-def test_bad_input_errors(call, match):
+def test_bad_input_errors(call, match, device):
     with pytest.raises((ValueError, TypeError), match=match):
-        call()
+        call(device)
 
 
 # ------------------------------------------------------------------------------ GPU, real sizes
