@@ -1,0 +1,332 @@
+"""Rotary position embedding (RoPE) for q and k in one Triton launch, Hugging Face convention.
+
+Math (the "rotate-half" layout used by Llama, Qwen, Mistral, Gemma, Phi3, ...). For one head
+vector ``x`` of size ``D`` and cos/sin rows ``c``, ``s`` of size ``R`` (the rotary dim, ``R ≤ D``,
+``R`` even, ``h = R / 2``), split the rotated part into halves ``x₁ = x[:h]``, ``x₂ = x[h:R]``
+and likewise ``c = [c₁ | c₂]``, ``s = [s₁ | s₂]``::
+
+    y₁ = c₁·x₁ − s₁·x₂
+    y₂ = c₂·x₂ + s₂·x₁          (HF: x·cos + rotate_half(x)·sin, rotate_half(x) = [−x₂ | x₁])
+    y[R:] = x[R:]               (partial rotary, e.g. Phi3: the tail passes through)
+
+Element ``i`` of each half forms a pair ``(x₁ᵢ, x₂ᵢ)`` that is multiplied by the 2×2 matrix
+``M = [[c₁ᵢ, −s₁ᵢ], [s₂ᵢ, c₂ᵢ]]``. The model's rotary module builds ``c₁ = c₂ = cos θ`` and
+``s₁ = s₂ = sin θ``, so ``M`` is a rotation by ``θ``.
+
+Backward. ``y = M x`` is linear in ``x``, so ``∂L/∂x = Mᵀ ∂L/∂y``::
+
+    dx₁ = c₁·dy₁ + s₂·dy₂
+    dx₂ = c₂·dy₂ − s₁·dy₁
+    dx[R:] = dy[R:]
+
+which is the forward map with ``(s₁, s₂)`` replaced by ``(−s₂, −s₁)``. With the model's cos/sin
+that is ``sin(−θ)``: the backward pass is the inverse rotation, and the kernel runs the same code
+with a compile-time flag that swaps and negates the sine halves. cos/sin get no gradient (they
+come from a buffer, ``inv_freq``, in every HF model); asking for one is an error.
+
+Design (memory bound: it reads q, k, cos, sin once and writes q and k once). One program per
+``(batch, position)``: it loads that position's cos/sin once and applies them to every q head
+and every k head (GQA: different head counts, one launch). In HF's layout q is
+``view(B, S, H, D).transpose(1, 2)``, so a position's heads are adjacent in memory and each
+program reads and writes one contiguous run of ``H·D`` elements. Any strides are accepted
+(transposed views, slices of a fused qkv projection, ``[B, S, H, D]`` with ``unsqueeze_dim=2``)
+and used as they are, without a copy; outputs keep the input's memory layout. The arithmetic is
+fp32 whatever the storage dtype; outputs have q's and k's dtypes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import next_power_of_2, use_triton
+
+# Elements of one (heads × half-dim) tile a program holds per tensor. 32 heads × 64 = 2048 keeps
+# Llama-3's q in one tile at 16 fp32 values per thread with 4 warps; more heads loop over tiles.
+_MAX_TILE = 2048
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,
+    out_ptr,
+    b,
+    s,
+    x_sb,
+    x_sh,
+    x_ss,
+    x_sd,
+    o_sb,
+    o_sh,
+    o_ss,
+    o_sd,
+    c1,
+    c2,
+    s1,
+    s2,
+    N_HEADS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    """Rotate every head of one (batch, position) of x into out with the given cos/sin halves."""
+    x_base = x_ptr + b * x_sb + s * x_ss
+    o_base = out_ptr + b * o_sb + s * o_ss
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    for h0 in tl.static_range(0, N_HEADS, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)[:, None]
+        if INT64:
+            h = h.to(tl.int64)
+        x_row = x_base + h * x_sh
+        o_row = o_base + h * o_sh
+        mask = (h < N_HEADS) & (d < HALF)
+        x1 = tl.load(x_row + d * x_sd, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_row + (d + HALF) * x_sd, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_row + d * o_sd, (c1 * x1 - s1 * x2).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_row + (d + HALF) * o_sd, (c2 * x2 + s2 * x1).to(out_ptr.dtype.element_ty), mask=mask)
+        if PASS > 0:
+            p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
+            pass_mask = (h < N_HEADS) & (p < 2 * HALF + PASS)
+            tail = tl.load(x_row + p * x_sd, mask=pass_mask, other=0.0)
+            tl.store(o_row + p * o_sd, tail.to(out_ptr.dtype.element_ty), mask=pass_mask)
+
+
+@triton.jit
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    cos_ptr,
+    sin_ptr,
+    seq_len,
+    q_sb,
+    q_sh,
+    q_ss,
+    q_sd,
+    k_sb,
+    k_sh,
+    k_ss,
+    k_sd,
+    qo_sb,
+    qo_sh,
+    qo_ss,
+    qo_sd,
+    ko_sb,
+    ko_sh,
+    ko_ss,
+    ko_sd,
+    cos_sb,
+    cos_ss,
+    cos_sd,
+    sin_sb,
+    sin_ss,
+    sin_sd,
+    N_Q_HEADS: tl.constexpr,
+    N_K_HEADS: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    PASS: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if INT64:
+        pid = pid.to(tl.int64)
+    b = pid // seq_len
+    s = pid % seq_len
+
+    # cos/sin of this position, loaded once for all heads of q and k. A batch of 1 broadcasts
+    # through a zero batch stride.
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < HALF
+    cos_row = cos_ptr + b * cos_sb + s * cos_ss
+    sin_row = sin_ptr + b * sin_sb + s * sin_ss
+    c1 = tl.load(cos_row + d * cos_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_row + (d + HALF) * cos_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_row + d * sin_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_row + (d + HALF) * sin_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    if BACKWARD:
+        # Transposed map (module docstring): (s1, s2) -> (-s2, -s1).
+        s1, s2 = -s2, -s1
+
+    _rotate_heads(
+        q_ptr, q_out_ptr, b, s, q_sb, q_sh, q_ss, q_sd, qo_sb, qo_sh, qo_ss, qo_sd,
+        c1, c2, s1, s2, N_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF, PASS, BLOCK_PASS, INT64,
+    )  # fmt: skip
+    _rotate_heads(
+        k_ptr, k_out_ptr, b, s, k_sb, k_sh, k_ss, k_sd, ko_sb, ko_sh, ko_ss, ko_sd,
+        c1, c2, s1, s2, N_K_HEADS, BLOCK_HK, HALF, BLOCK_HALF, PASS, BLOCK_PASS, INT64,
+    )  # fmt: skip
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    """Largest element offset from ``t.data_ptr()`` that indexing ``t`` through its strides reaches."""
+    return sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n > 0)
+
+
+def _canonical_strides(t: torch.Tensor, heads_dim: int) -> tuple[int, int, int, int]:
+    """Strides of a q/k-shaped tensor in (batch, head, seq, dim) order."""
+    seq_dim = 3 - heads_dim  # heads at 1 -> seq at 2; heads at 2 -> seq at 1
+    return t.stride(0), t.stride(heads_dim), t.stride(seq_dim), t.stride(3)
+
+
+def _cos_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    # A batch of 1 broadcasts over the batch: stride 0 reads row 0 for every batch index.
+    return (t.stride(0) if t.shape[0] > 1 else 0), t.stride(1), t.stride(2)
+
+
+def _rope_launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads_dim: int,
+    backward: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q and k (or, with `backward`, their gradients) into new tensors of the same layout."""
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    batch, seq_len, head_dim = q.shape[0], q.shape[3 - heads_dim], q.shape[3]
+    n_q_heads, n_k_heads = q.shape[heads_dim], k.shape[heads_dim]
+    if batch * seq_len == 0:
+        return q_out, k_out
+    half = cos.shape[-1] // 2
+    n_pass = head_dim - 2 * half
+    block_half = next_power_of_2(half)
+    max_heads = max(1, _MAX_TILE // block_half)
+    block_hq = min(next_power_of_2(n_q_heads), max_heads)
+    block_hk = min(next_power_of_2(n_k_heads), max_heads)
+    int64 = max(_max_offset(t) for t in (q, k, q_out, k_out, cos, sin)) >= 2**31 - 1
+    _rope_kernel[(batch * seq_len,)](
+        q, k, q_out, k_out, cos, sin, seq_len,
+        *_canonical_strides(q, heads_dim), *_canonical_strides(k, heads_dim),
+        *_canonical_strides(q_out, heads_dim), *_canonical_strides(k_out, heads_dim),
+        *_cos_strides(cos), *_cos_strides(sin),
+        N_Q_HEADS=n_q_heads, N_K_HEADS=n_k_heads, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+        HALF=half, BLOCK_HALF=block_half,
+        PASS=n_pass, BLOCK_PASS=next_power_of_2(max(n_pass, 1)),
+        BACKWARD=backward, INT64=int64,
+        num_warps=_NUM_WARPS,
+    )  # fmt: skip
+    return q_out, k_out
+
+
+class RoPEFunction(torch.autograd.Function):
+    """Autograd wrapper: forward rotates by θ, backward by −θ (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, heads_dim: int):
+        ctx.save_for_backward(cos, sin)
+        ctx.heads_dim = heads_dim
+        return _rope_launch(q, k, cos, sin, heads_dim, backward=False)
+
+    @staticmethod
+    def backward(ctx, dq_embed, dk_embed):
+        cos, sin = ctx.saved_tensors
+        dq, dk = _rope_launch(dq_embed, dk_embed, cos, sin, ctx.heads_dim, backward=True)
+        return dq, dk, None, None, None
+
+
+def _check_inputs(q, k, cos, sin, unsqueeze_dim) -> int:
+    """Validate shapes/devices/dtypes; return the heads dimension of q and k (1 or 2)."""
+    if unsqueeze_dim not in (1, 2):
+        raise ValueError(
+            f"unsqueeze_dim must be 1 (q/k laid out [B, H, S, D]) or 2 ([B, S, H, D]), got {unsqueeze_dim}"
+        )
+    layout = "[B, H, S, D]" if unsqueeze_dim == 1 else "[B, S, H, D]"
+    for name, t in (("q", q), ("k", k)):
+        if t.dim() != 4 or not t.is_floating_point():
+            raise ValueError(
+                f"{name} must be a 4-D floating tensor laid out {layout} (unsqueeze_dim={unsqueeze_dim}), "
+                f"got shape {tuple(t.shape)} dtype {t.dtype}"
+            )
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 3 or not t.is_floating_point():
+            raise ValueError(
+                f"{name} must be a 3-D floating tensor [B or 1, S, rotary_dim] as the model's rotary "
+                f"embedding returns it, got shape {tuple(t.shape)} dtype {t.dtype}"
+            )
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"cos and sin must have the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    devices = {t.device for t in (q, k, cos, sin)}
+    if len(devices) > 1:
+        raise ValueError(f"q, k, cos and sin must be on one device, got {sorted(map(str, devices))}")
+
+    heads_dim, seq_dim = unsqueeze_dim, 3 - unsqueeze_dim
+    batch, seq_len, head_dim = q.shape[0], q.shape[seq_dim], q.shape[3]
+    if k.shape[0] != batch or k.shape[seq_dim] != seq_len or k.shape[3] != head_dim:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch, sequence and head_dim "
+            f"in the {layout} layout (only the head counts may differ); check unsqueeze_dim"
+        )
+    rot_dim = cos.shape[2]
+    if cos.shape[0] not in (1, batch) or cos.shape[1] != seq_len:
+        raise ValueError(
+            f"cos/sin shape {tuple(cos.shape)} does not match q {tuple(q.shape)}: expected "
+            f"[{batch} or 1, {seq_len}, rotary_dim] for the {layout} layout (unsqueeze_dim={unsqueeze_dim})"
+        )
+    if rot_dim % 2 or rot_dim == 0 or rot_dim > head_dim:
+        raise ValueError(
+            f"rotary_dim (cos.shape[-1] = {rot_dim}) must be even, > 0 and <= head_dim {head_dim}"
+        )
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        raise ValueError(
+            "cos/sin require grad, but this kernel returns gradients for q and k only (HF models build "
+            "cos/sin from a buffer); detach them, or use rope_reference to differentiate through them"
+        )
+    return heads_dim
+
+
+def apply_rotary_pos_emb(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Drop-in for transformers' ``apply_rotary_pos_emb``: rotate q and k by cos/sin.
+
+    q ``[B, Hq, S, D]`` and k ``[B, Hkv, S, D]`` (or ``[B, S, H, D]`` with ``unsqueeze_dim=2``),
+    any strides; cos/sin ``[B or 1, S, R]`` with ``R ≤ D`` (only the first R dims rotate). Returns
+    new tensors ``(q_embed, k_embed)`` with q's and k's layouts and dtypes (HF's eager code would
+    promote to a wider cos/sin dtype; HF's rotary modules return cos/sin in q's dtype, so both
+    agree in practice). Differentiable in q and k. Runs the Triton kernel on CUDA (or under ``TRITON_INTERPRET=1``), otherwise
+    `rope_reference`.
+    """
+    heads_dim = _check_inputs(q, k, cos, sin, unsqueeze_dim)
+    if not use_triton(q, k, cos, sin):
+        return rope_reference(q, k, cos, sin, unsqueeze_dim)
+    return RoPEFunction.apply(q, k, cos, sin, heads_dim)
+
+
+def rope_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    unsqueeze_dim: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-PyTorch RoPE with the same contract as `apply_rotary_pos_emb` (fp32 or wider math)."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    cos = cos.unsqueeze(unsqueeze_dim).to(compute)
+    sin = sin.unsqueeze(unsqueeze_dim).to(compute)
+    half = cos.shape[-1] // 2
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        xc = x.to(compute)
+        x1, x2, tail = xc[..., :half], xc[..., half : 2 * half], xc[..., 2 * half :]
+        y1 = cos[..., :half] * x1 - sin[..., :half] * x2
+        y2 = cos[..., half:] * x2 + sin[..., half:] * x1
+        return torch.cat([y1, y2, tail], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)

@@ -1,0 +1,303 @@
+"""Gated activations for LLM MLPs: SwiGLU and GeGLU (tanh), Triton forward and backward.
+
+Math. Both activations are ``act(g) = g·σ(β(g))`` with σ the logistic sigmoid:
+
+* SiLU:      ``β(g) = g``, so ``silu(g) = g·σ(g)``;
+* GELU-tanh: ``0.5·g·(1 + tanh(z))`` with ``z = √(2/π)·(g + 0.044715·g³)``; because
+  ``0.5·(1 + tanh z) = σ(2z)`` this is ``g·σ(β(g))`` with ``β(g) = 2z``. The kernel never
+  evaluates tanh, which also sidesteps libdevice (unavailable under Triton's CPU interpreter).
+
+The gated output is ``o = act(g)·u``. With ``σ = σ(β(g))`` and σ' = σ(1 − σ)::
+
+    act'(g) = σ + g·σ·(1 − σ)·β'(g)        β'(g) = 1 (SiLU),  2√(2/π)·(1 + 3·0.044715·g²) (GELU-tanh)
+    ∂L/∂u = ∂L/∂o · act(g)
+    ∂L/∂g = ∂L/∂o · u · act'(g)
+
+Memory. The forward saves only ``g`` and ``u`` (which the MLP holds anyway) and the backward
+recomputes ``act(g)`` from them: an elementwise recompute is free for a memory-bound kernel and
+saves storing ``act(g)``. With ``inplace_backward=True`` the backward writes ``∂L/∂g`` and
+``∂L/∂u`` over the saved ``g`` and ``u`` buffers, so it allocates nothing (2 × the activation's
+size less at peak). That destroys g and u: use it only where they are private intermediates,
+as inside an MLP (`GatedMLP` does). It is ignored, for safety, when g or u is a leaf tensor.
+
+Speed. Pure streaming kernels: forward reads g, u and writes o; backward reads ∂L/∂o, g, u and
+writes ∂L/∂g, ∂L/∂u; fp32 arithmetic, storage dtype in and out. Contiguous inputs run as one flat
+1-D range of elements (4096 per program); row-strided inputs (the two halves of a fused
+``gate_up_proj`` output, as in Phi3) run as rows of ``cols`` elements with a row stride, without
+a copy.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from ._utils import next_power_of_2, use_triton
+
+# Elements per program. 4096 × 2 bytes (bf16) per tensor at 8 warps is 16 elements, two 16-byte
+# vector loads, per thread: enough bytes in flight per SM to saturate HBM.
+_BLOCK = 4096
+_NUM_WARPS = 8
+
+_SQRT_2_OVER_PI = tl.constexpr(math.sqrt(2.0 / math.pi))
+_GELU_CUBIC = tl.constexpr(0.044715)
+
+# Accepted activation names -> the canonical name the kernels compile for. HF spellings are
+# accepted so a model config's `hidden_act` passes through as is; "gelu" (erf form) is a
+# different function and is not.
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_tanh": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+}
+
+
+@triton.jit
+def _act_and_grad(g, ACT: tl.constexpr):
+    """Return act(g) and act'(g) in fp32 (see the module docstring for the β form)."""
+    if ACT == "silu":
+        beta = g
+        dbeta = 1.0
+    else:
+        beta = 2.0 * _SQRT_2_OVER_PI * (g + _GELU_CUBIC * g * g * g)
+        dbeta = 2.0 * _SQRT_2_OVER_PI * (1.0 + 3.0 * _GELU_CUBIC * g * g)
+    sig = tl.sigmoid(beta)
+    return g * sig, sig + g * sig * (1.0 - sig) * dbeta
+
+
+@triton.jit
+def _block_offsets(n_cols, n_col_blocks, BLOCK: tl.constexpr, INT64: tl.constexpr):
+    """(row, column offsets, mask) of this program's block of a [rows, n_cols] grid."""
+    pid = tl.program_id(0)
+    if INT64:
+        pid = pid.to(tl.int64)
+    row = pid // n_col_blocks
+    cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
+    return row, cols, cols < n_cols
+
+
+@triton.jit
+def _gated_fwd_kernel(
+    gate_ptr,
+    up_ptr,
+    out_ptr,
+    n_cols,
+    n_col_blocks,
+    gate_stride,
+    up_stride,
+    out_stride,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    row, cols, mask = _block_offsets(n_cols, n_col_blocks, BLOCK, INT64)
+    g = tl.load(gate_ptr + row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * up_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    act, _ = _act_and_grad(g, ACT)
+    tl.store(out_ptr + row * out_stride + cols, (act * u).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gated_bwd_kernel(
+    dout_ptr,
+    gate_ptr,
+    up_ptr,
+    dgate_ptr,
+    dup_ptr,
+    n_cols,
+    n_col_blocks,
+    dout_stride,
+    gate_stride,
+    up_stride,
+    dgate_stride,
+    dup_stride,
+    ACT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    INT64: tl.constexpr,
+):
+    # dgate/dup may alias gate/up (in-place backward): each element is read before it is
+    # written, by the same program, so the aliasing is safe.
+    row, cols, mask = _block_offsets(n_cols, n_col_blocks, BLOCK, INT64)
+    do = tl.load(dout_ptr + row * dout_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gate_ptr + row * gate_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(up_ptr + row * up_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    act, dact = _act_and_grad(g, ACT)
+    tl.store(dgate_ptr + row * dgate_stride + cols, (do * u * dact).to(dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + row * dup_stride + cols, (do * act).to(dup_ptr.dtype.element_ty), mask=mask)
+
+
+def _as_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """2-D views ``[rows, cols]`` with unit column stride, one shape for all of `tensors`.
+
+    All contiguous: one row of every element (the flat 1-D kernel). Otherwise rows of the last
+    dimension with a row stride each, which covers slices such as ``x.chunk(2, -1)`` without a
+    copy; a tensor whose leading dimensions do not merge into one stride is copied.
+    """
+    if all(t.is_contiguous() for t in tensors):
+        return [t.view(1, -1) for t in tensors]
+    rows = [t.reshape(-1, t.shape[-1]) for t in tensors]
+    return [r if r.stride(1) == 1 or r.shape[1] == 1 else r.contiguous() for r in rows]
+
+
+def _needs_int64(rows: list[torch.Tensor], block: int) -> bool:
+    """Whether offsets ``row * stride + col`` can pass int32 (masked lanes run a block past the end)."""
+    n_rows, n_cols = rows[0].shape
+    return max(n_rows * r.stride(0) for r in rows) + n_cols + block >= 2**31
+
+
+def _launch(kernel, rows: list[torch.Tensor], activation: str) -> None:
+    """Run `kernel` over 2-D views of equal shape (pointers then row strides, in `rows` order)."""
+    n_rows, n_cols = rows[0].shape
+    if n_rows * n_cols == 0:
+        return
+    block = min(_BLOCK, next_power_of_2(n_cols))
+    n_col_blocks = triton.cdiv(n_cols, block)
+    kernel[(n_rows * n_col_blocks,)](
+        *rows,
+        n_cols,
+        n_col_blocks,
+        *(r.stride(0) for r in rows),
+        ACT=activation,
+        BLOCK=block,
+        INT64=_needs_int64(rows, block),
+        num_warps=_NUM_WARPS,
+    )
+
+
+class GatedActFunction(torch.autograd.Function):
+    """``act(gate) · up`` with a recomputing backward (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, activation: str, inplace_backward: bool):
+        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        _launch(_gated_fwd_kernel, _as_rows(gate, up, out), activation)
+        ctx.save_for_backward(gate, up)
+        ctx.activation = activation
+        # Overwriting user-visible leaves (inputs, parameters) would corrupt them, and one buffer
+        # passed as both gate and up cannot hold both gradients.
+        ctx.inplace = inplace_backward and not (
+            gate.is_leaf or up.is_leaf or gate.data_ptr() == up.data_ptr()
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        dout_rows, gate_rows, up_rows = _as_rows(dout, gate, up)
+        if ctx.inplace:
+            dgate_rows, dup_rows = gate_rows, up_rows
+        else:
+            dgate_rows, dup_rows = torch.empty_like(gate_rows), torch.empty_like(up_rows)
+        _launch(_gated_bwd_kernel, [dout_rows, gate_rows, up_rows, dgate_rows, dup_rows], ctx.activation)
+        return dgate_rows.view(gate.shape), dup_rows.view(up.shape), None, None
+
+
+def _canonical_activation(activation: str) -> str:
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"unsupported gated activation {activation!r}; supported: {sorted(ACTIVATIONS)} "
+            "(tanh-approximated GELU only: 'gelu' with erf is not implemented)"
+        )
+    return ACTIVATIONS[activation]
+
+
+def gated_act(
+    gate: torch.Tensor, up: torch.Tensor, activation: str = "silu", inplace_backward: bool = False
+) -> torch.Tensor:
+    """``act(gate) * up`` for ``activation`` in `ACTIVATIONS` (HF ``hidden_act`` names accepted).
+
+    The piece to swap into an existing HF MLP (``act_fn(gate_proj(x)) * up_proj(x)``) without
+    touching its Linear layers. gate and up: same shape, dtype and device, any leading dims;
+    the result is contiguous with that shape and dtype. ``inplace_backward=True`` lets the
+    backward overwrite gate and up with their gradients (module docstring). Triton on CUDA or
+    under ``TRITON_INTERPRET=1``, otherwise the PyTorch reference.
+    """
+    canonical = _canonical_activation(activation)
+    if gate.shape != up.shape:
+        raise ValueError(
+            f"gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}"
+        )
+    if gate.dtype != up.dtype or not gate.is_floating_point():
+        raise ValueError(f"gate and up must share one floating dtype, got {gate.dtype} and {up.dtype}")
+    if gate.device != up.device:
+        raise ValueError(f"gate and up must be on one device, got {gate.device} and {up.device}")
+    if not use_triton(gate, up):
+        return _REFERENCES[canonical](gate, up)
+    return GatedActFunction.apply(gate, up, canonical, inplace_backward)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` (Llama, Qwen, Mistral MLPs). See `gated_act`."""
+    return gated_act(gate, up, "silu", inplace_backward)
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool = False) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (Gemma MLPs; HF ``gelu_pytorch_tanh``). See `gated_act`."""
+    return gated_act(gate, up, "gelu_tanh", inplace_backward)
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Pure-PyTorch SwiGLU, fp32 (or wider) math, result in gate's dtype."""
+    compute = torch.promote_types(gate.dtype, torch.float32)
+    return (F.silu(gate.to(compute)) * up.to(compute)).to(gate.dtype)
+
+
+def geglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """Pure-PyTorch GeGLU with tanh-approximated GELU, fp32 (or wider) math, result in gate's dtype."""
+    compute = torch.promote_types(gate.dtype, torch.float32)
+    return (F.gelu(gate.to(compute), approximate="tanh") * up.to(compute)).to(gate.dtype)
+
+
+_REFERENCES = {"silu": swiglu_reference, "gelu_tanh": geglu_reference}
+
+
+class GatedMLP(nn.Module):
+    """``down_proj(act(gate) * up)``, the gated MLP of Llama-family models, on the fused kernel.
+
+    Parameter names match Hugging Face so state_dicts load both ways: ``gate_proj``, ``up_proj``,
+    ``down_proj`` (Llama, Qwen, Mistral, Gemma), or with ``fused_gate_up=True`` ``gate_up_proj``
+    (output ``[gate | up]`` along the last dim, as Phi3MLP splits it with ``chunk(2, -1)``) and
+    ``down_proj``. The activation's backward writes its gradients over the gate/up
+    intermediates (``inplace_backward``), which only this module sees.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        activation: str = "silu",
+        fused_gate_up: bool = False,
+        bias: bool = False,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ):
+        super().__init__()
+        _canonical_activation(activation)
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.fused_gate_up = fused_gate_up
+        factory = {"bias": bias, "dtype": dtype, "device": device}
+        if fused_gate_up:
+            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, **factory)
+        else:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, **factory)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, **factory)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_gate_up:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(gated_act(gate, up, self.activation, inplace_backward=True))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}, fused_gate_up={self.fused_gate_up}"
