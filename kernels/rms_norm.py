@@ -93,7 +93,7 @@ def _round_to(x, dtype: tl.constexpr):
         if dtype == tl.bfloat16:
             bits = x.to(tl.uint32, bitcast=True)
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-            x = bits.to(tl.float32, bitcast=True)
+            x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # a NaN's payload could carry
     return x.to(dtype)
 
 
