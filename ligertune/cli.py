@@ -170,6 +170,63 @@ def env() -> None:
     console.print(table)
 
 
+@app.command()
+def bench(
+    kernels: str = typer.Option(
+        "all", "--kernels", "-k", help="rms_norm,add_rms_norm,layer_norm,rope,swiglu,geglu,ce,flce"
+    ),
+    providers: str = typer.Option(
+        "", "--providers", "-p", help="eager,compile,liger,ligertune [GPU: all; CPU: eager,ligertune]"
+    ),
+    dtype: str = typer.Option("", "--dtype", help="bf16, fp16 or fp32 [GPU: bf16; CPU: fp32]"),
+    shape: list[str] = typer.Option(
+        [], "--shape", help="KERNEL=AxB[,AxB...] replaces that kernel's shapes; repeatable."
+    ),
+    passes: str = typer.Option("fwd,bwd,full", "--pass", help="fwd, bwd, full (forward + backward)"),
+    out: Path = typer.Option(
+        Path("bench-out"), "--out", "-o", help="Folder for bench.json/.csv/.md and the plots."
+    ),
+    quick: bool = typer.Option(False, "--quick", help="One headline shape per kernel, shorter timing."),
+    warmup: float | None = typer.Option(None, "--warmup", help="do_bench warm-up, ms [10; quick 5]"),
+    rep: float | None = typer.Option(None, "--rep", help="do_bench repetition time, ms [50; quick 25]"),
+    time_budget: float = typer.Option(
+        0, "--time-budget", help="Seconds; later cases are reported 'skipped'. 0: none."
+    ),
+    from_json: Path | None = typer.Option(
+        None, "--from-json", help="Re-render tables and plots from a bench.json."
+    ),
+) -> None:
+    """Time and memory of each kernel: eager PyTorch/HF, torch.compile, Liger-Kernel and ligertune.
+
+    Forward, backward and both, on DESIGN.md's shapes; JSON, CSV, Markdown and 3 plots go to --out.
+
+    Without a GPU it runs tiny shapes (timings labelled not meaningful) to check the path.
+
+    [bold]Examples[/]
+
+      ligertune bench --quick
+
+      ligertune bench --kernels rms_norm,rope --pass full --out runs/bench
+
+      ligertune bench -k flce --shape flce=8192x4096x32000,8192x4096x128256 -p eager,ligertune
+
+      ligertune bench --from-json runs/bench/bench.json --out runs/bench
+    """
+    from rich.markup import escape
+
+    from ligertune.bench import BenchError, BenchOptions, run_command
+
+    opts = BenchOptions(
+        kernels, providers, dtype, shape, passes, out, quick, warmup, rep, time_budget, from_json
+    )
+    try:
+        run_command(opts, console)
+    except BenchError as e:
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        raise typer.Exit(2) from None
+
+
+
 def main() -> None:
     try:
         app()
