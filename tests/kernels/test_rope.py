@@ -80,44 +80,44 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["hf", "contiguous", "bshd", "fused"])
 @pytest.mark.parametrize("cos_batch", ["full", "broadcast"])
-def test_matches_phi3_reference(shape, dtype, layout, cos_batch, poisoned_allocations):
+def test_matches_phi3_reference(shape, dtype, layout, cos_batch, device, poisoned_allocations):
     """General cos/sin (unrelated halves) against HF's partial-rotary function in float64."""
     batch, seq, n_q, n_k, head_dim, rot = shape
-    q, k = make_qk(batch, seq, n_q, n_k, head_dim, layout, dtype, "cpu")
+    q, k = make_qk(batch, seq, n_q, n_k, head_dim, layout, dtype, device)
     cos_b = batch if cos_batch == "full" else 1
-    cos = fresh_randn(cos_b, seq, rot, dtype=dtype)
-    sin = fresh_randn(cos_b, seq, rot, dtype=dtype)
+    cos = fresh_randn(cos_b, seq, rot, dtype=dtype, device=device)
+    sin = fresh_randn(cos_b, seq, rot, dtype=dtype, device=device)
     check_against(phi3_rope, q, k, cos, sin, unsqueeze_dim=2 if layout == "bshd" else 1)
 
 
-def test_outputs_keep_input_layout():
+def test_outputs_keep_input_layout(device):
     """HF's transposed q comes back in the same memory order (no hidden copy downstream)."""
-    q, k = make_qk(2, 5, 4, 2, 16, "hf", torch.float32, "cpu")
-    cos, sin = fresh_randn(1, 5, 16), fresh_randn(1, 5, 16)
+    q, k = make_qk(2, 5, 4, 2, 16, "hf", torch.float32, device)
+    cos, sin = fresh_randn(1, 5, 16, device=device), fresh_randn(1, 5, 16, device=device)
     q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin)
     assert q_out.stride() == q.stride() and k_out.stride() == k.stride()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_llama_rotary_embedding(dtype, poisoned_allocations):
+def test_llama_rotary_embedding(dtype, device, poisoned_allocations):
     """cos/sin from a real LlamaRotaryEmbedding, vs Llama's apply_rotary_pos_emb."""
     config = LlamaConfig(hidden_size=96, num_attention_heads=6, num_key_value_heads=2, head_dim=16)
     batch, seq = 2, 11
-    q, k = make_qk(batch, seq, 6, 2, 16, "hf", dtype, "cpu")
-    position_ids = torch.randint(0, 4096, (batch, seq))
-    cos, sin = LlamaRotaryEmbedding(config)(q, position_ids)
+    q, k = make_qk(batch, seq, 6, 2, 16, "hf", dtype, device)
+    position_ids = torch.randint(0, 4096, (batch, seq), device=device)
+    cos, sin = LlamaRotaryEmbedding(config).to(device)(q, position_ids)
     check_against(llama_rope, q, k, cos, sin)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_phi3_partial_rotary_embedding(dtype, poisoned_allocations):
+def test_phi3_partial_rotary_embedding(dtype, device, poisoned_allocations):
     """Phi3 with partial_rotary_factor 0.5: half of each head rotates, cos/sin batch of 1."""
     config = Phi3Config(
         hidden_size=160, num_attention_heads=5, num_key_value_heads=5, partial_rotary_factor=0.5
     )
     seq = 7
-    q, k = make_qk(2, seq, 5, 5, 32, "fused", dtype, "cpu")
-    cos, sin = Phi3RotaryEmbedding(config)(q, torch.arange(seq)[None])
+    q, k = make_qk(2, seq, 5, 5, 32, "fused", dtype, device)
+    cos, sin = Phi3RotaryEmbedding(config).to(device)(q, torch.arange(seq, device=device)[None])
     assert cos.shape == (1, seq, 16)
     check_against(phi3_rope, q, k, cos, sin)
 
@@ -134,20 +134,27 @@ def test_reference_matches_hf(unsqueeze_dim):
         assert_close(out, expected, torch.float32, name)
 
 
-def test_int64_offset_path(monkeypatch, poisoned_allocations):
+def test_cpu_fallback_without_interpreter(monkeypatch):
+    """Off the Triton path (plain CPU tensors, no interpreter) the reference runs, autograd included."""
+    monkeypatch.setattr(rope_module, "use_triton", lambda *ts: False)
+    q, k = make_qk(2, 5, 4, 2, 24, "hf", torch.float32, "cpu")
+    check_against(phi3_rope, q, k, fresh_randn(1, 5, 16), fresh_randn(1, 5, 16))
+
+
+def test_int64_offset_path(monkeypatch, device, poisoned_allocations):
     """The int64 index path (taken for tensors past 2**31 elements) computes the same values."""
     monkeypatch.setattr(rope_module, "_max_offset", lambda t: 2**31)
-    q, k = make_qk(2, 5, 4, 2, 24, "fused", torch.float32, "cpu")
-    cos, sin = fresh_randn(2, 5, 16), fresh_randn(2, 5, 16)
+    q, k = make_qk(2, 5, 4, 2, 24, "fused", torch.float32, device)
+    cos, sin = fresh_randn(2, 5, 16, device=device), fresh_randn(2, 5, 16, device=device)
     check_against(phi3_rope, q, k, cos, sin)
 
 
-def test_only_q_used_in_loss():
+def test_only_q_used_in_loss(device):
     """A loss that ignores k still gives q its gradient (k's upstream gradient is zeros)."""
-    q, k = make_qk(1, 4, 2, 1, 8, "hf", torch.float32, "cpu")
-    cos, sin = fresh_randn(1, 4, 8), fresh_randn(1, 4, 8)
+    q, k = make_qk(1, 4, 2, 1, 8, "hf", torch.float32, device)
+    cos, sin = fresh_randn(1, 4, 8, device=device), fresh_randn(1, 4, 8, device=device)
     q_out, _ = apply_rotary_pos_emb(q, k, cos, sin)
-    dq_out = fresh_randn(*q_out.shape)
+    dq_out = fresh_randn(*q_out.shape, device=device)
     q_out.backward(dq_out)
     q64 = q.detach().double().requires_grad_()
     phi3_rope(q64, k.detach().double(), cos.double(), sin.double())[0].backward(dq_out.double())
@@ -155,9 +162,11 @@ def test_only_q_used_in_loss():
     assert k.grad is None or torch.count_nonzero(k.grad) == 0
 
 
-def test_empty_sequence():
-    q, k = fresh_randn(2, 4, 0, 8, requires_grad=True), fresh_randn(2, 2, 0, 8, requires_grad=True)
-    q_out, k_out = apply_rotary_pos_emb(q, k, fresh_randn(2, 0, 8), fresh_randn(2, 0, 8))
+def test_empty_sequence(device):
+    q = fresh_randn(2, 4, 0, 8, device=device, requires_grad=True)
+    k = fresh_randn(2, 2, 0, 8, device=device, requires_grad=True)
+    cos, sin = fresh_randn(2, 0, 8, device=device), fresh_randn(2, 0, 8, device=device)
+    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin)
     (q_out.sum() + k_out.sum()).backward()
     assert q_out.shape == q.shape and k.grad.shape == k.shape
 
@@ -176,16 +185,17 @@ def test_empty_sequence():
         ((2, 4, 5, 16), (2, 2, 5, 16), (5, 16), 1, "cos must be a 3-D"),
     ],
 )
-def test_bad_inputs_raise(q_shape, k_shape, cos_shape, unsqueeze_dim, match):
-    q, k = fresh_randn(*q_shape), fresh_randn(*k_shape)
-    cos, sin = fresh_randn(*cos_shape), fresh_randn(*cos_shape)
+def test_bad_inputs_raise(q_shape, k_shape, cos_shape, unsqueeze_dim, match, device):
+    q, k = fresh_randn(*q_shape, device=device), fresh_randn(*k_shape, device=device)
+    cos, sin = fresh_randn(*cos_shape, device=device), fresh_randn(*cos_shape, device=device)
     with pytest.raises(ValueError, match=match):
         apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
 
 
-def test_cos_requiring_grad_raises():
-    q, k = fresh_randn(1, 2, 3, 8), fresh_randn(1, 1, 3, 8)
-    cos, sin = fresh_randn(1, 3, 8, requires_grad=True), fresh_randn(1, 3, 8)
+def test_cos_requiring_grad_raises(device):
+    q, k = fresh_randn(1, 2, 3, 8, device=device), fresh_randn(1, 1, 3, 8, device=device)
+    cos = fresh_randn(1, 3, 8, device=device, requires_grad=True)
+    sin = fresh_randn(1, 3, 8, device=device)
     with pytest.raises(ValueError, match="cos/sin require grad"):
         apply_rotary_pos_emb(q, k, cos, sin)
     with torch.no_grad():

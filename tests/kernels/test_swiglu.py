@@ -63,7 +63,7 @@ def check_gated(op, hf_act, gate, up, **kwargs):
     ref = hf_gated(hf_act, g64, u64)
     assert out.dtype == gate.dtype
     assert_close(out, ref, gate.dtype, "out")
-    dout = fresh_randn(*out.shape, dtype=gate.dtype)
+    dout = fresh_randn(*out.shape, dtype=gate.dtype, device=gate.device)
     dgate, dup = torch.autograd.grad(out, (gate_in, up_in), dout)
     dgate_ref, dup_ref = torch.autograd.grad(ref, (g64, u64), dout.double())
     assert_close(dgate, dgate_ref, gate.dtype, "dgate")
@@ -73,43 +73,49 @@ def check_gated(op, hf_act, gate, up, **kwargs):
 @pytest.mark.parametrize("shape", [(3, 1000), (7, 2304), (1, 5120), (2, 3, 700), (5,)], ids=str)
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("op_name", OPS)
-def test_contiguous(op_name, dtype, shape, poisoned_allocations):
+def test_contiguous(op_name, dtype, shape, device, poisoned_allocations):
     op, hf_act, _ = OPS[op_name]
-    check_gated(op, hf_act, fresh_randn(*shape, dtype=dtype, scale=3.0), fresh_randn(*shape, dtype=dtype))
+    gate = fresh_randn(*shape, dtype=dtype, device=device, scale=3.0)
+    check_gated(op, hf_act, gate, fresh_randn(*shape, dtype=dtype, device=device))
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 @pytest.mark.parametrize("op_name", OPS)
-def test_halves_of_fused_projection(op_name, dtype, poisoned_allocations):
+def test_halves_of_fused_projection(op_name, dtype, device, poisoned_allocations):
     """gate/up as the two chunk() halves of one [B, S, 2I] tensor: row-strided, not copied."""
     op, hf_act, _ = OPS[op_name]
-    gate, up = fresh_randn(2, 5, 2 * 1100, dtype=dtype, scale=3.0).chunk(2, dim=-1)
+    gate, up = fresh_randn(2, 5, 2 * 1100, dtype=dtype, device=device, scale=3.0).chunk(2, dim=-1)
     check_gated(op, hf_act, gate, up)
 
 
 @pytest.mark.parametrize("op_name", OPS)
-def test_mixed_layouts(op_name, poisoned_allocations):
+def test_mixed_layouts(op_name, device, poisoned_allocations):
     """gate and up with different row strides; a transposed gate (its rows do not merge: copied)."""
     op, hf_act, _ = OPS[op_name]
-    check_gated(op, hf_act, fresh_randn(5, 1400, scale=3.0)[:, 300:1000], fresh_randn(5, 700))
-    check_gated(op, hf_act, fresh_randn(300, 6, scale=3.0).t(), fresh_randn(6, 300))
+    d = device
+    check_gated(
+        op, hf_act, fresh_randn(5, 1400, device=d, scale=3.0)[:, 300:1000], fresh_randn(5, 700, device=d)
+    )
+    check_gated(op, hf_act, fresh_randn(300, 6, device=d, scale=3.0).t(), fresh_randn(6, 300, device=d))
 
 
 @pytest.mark.parametrize("op_name", OPS)
-def test_large_magnitudes(op_name):
+def test_large_magnitudes(op_name, device):
     """Saturated sigmoids (|gate| up to ~40): no inf/NaN, values still match."""
     op, hf_act, _ = OPS[op_name]
-    check_gated(op, hf_act, fresh_randn(4, 777, scale=15.0), fresh_randn(4, 777))
+    check_gated(
+        op, hf_act, fresh_randn(4, 777, device=device, scale=15.0), fresh_randn(4, 777, device=device)
+    )
 
 
 @pytest.mark.parametrize("op_name", OPS)
-def test_inplace_backward(op_name, poisoned_allocations):
+def test_inplace_backward(op_name, device, poisoned_allocations):
     """inplace_backward on intermediates: right gradients, written over gate/up's memory."""
     op, hf_act, _ = OPS[op_name]
-    x = fresh_randn(6, 900, requires_grad=True)
+    x = fresh_randn(6, 900, device=device, requires_grad=True)
     gate_in, up_in = (x * 3.0).chunk(2, dim=-1)  # non-leaf intermediates, like an MLP's
     out = op(gate_in, up_in, inplace_backward=True)
-    dout = fresh_randn(*out.shape)
+    dout = fresh_randn(*out.shape, device=device)
     out.backward(dout)
 
     x64 = x.detach().double().requires_grad_()
@@ -121,11 +127,12 @@ def test_inplace_backward(op_name, poisoned_allocations):
     assert_close(gate_in.detach(), gate_grad, torch.float32, "dgate stored over gate")
 
 
-def test_inplace_backward_spares_leaves():
+def test_inplace_backward_spares_leaves(device):
     """With leaf inputs the in-place option is ignored: the user's tensors are untouched."""
-    gate, up = fresh_randn(3, 500, requires_grad=True), fresh_randn(3, 500, requires_grad=True)
+    gate = fresh_randn(3, 500, device=device, requires_grad=True)
+    up = fresh_randn(3, 500, device=device, requires_grad=True)
     gate_before, up_before = gate.detach().clone(), up.detach().clone()
-    swiglu(gate, up, inplace_backward=True).backward(fresh_randn(3, 500))
+    swiglu(gate, up, inplace_backward=True).backward(fresh_randn(3, 500, device=device))
     assert torch.equal(gate.detach(), gate_before) and torch.equal(up.detach(), up_before)
 
 
@@ -137,16 +144,25 @@ def test_reference_matches_hf(op_name):
     assert_close(reference(gate, up), hf_gated(hf_act, gate, up), torch.float32, "reference")
 
 
-def test_int64_offset_path(monkeypatch, poisoned_allocations):
+def test_cpu_fallback_without_interpreter(monkeypatch):
+    """Off the Triton path (plain CPU tensors, no interpreter) the references run, autograd included."""
+    monkeypatch.setattr(swiglu_module, "use_triton", lambda *ts: False)
+    for op, hf_act, _ in OPS.values():
+        check_gated(op, hf_act, fresh_randn(3, 100, scale=3.0), fresh_randn(3, 100))
+
+
+def test_int64_offset_path(monkeypatch, device, poisoned_allocations):
     """The int64 index path (taken past 2**31 elements) computes the same values."""
     monkeypatch.setattr(swiglu_module, "_needs_int64", lambda rows, block: True)
-    check_gated(geglu, "gelu_pytorch_tanh", fresh_randn(3, 1000, scale=3.0), fresh_randn(3, 1000))
-    gate, up = fresh_randn(2, 2 * 600, scale=3.0).chunk(2, dim=-1)
+    gate, up = fresh_randn(3, 1000, device=device, scale=3.0), fresh_randn(3, 1000, device=device)
+    check_gated(geglu, "gelu_pytorch_tanh", gate, up)
+    gate, up = fresh_randn(2, 2 * 600, device=device, scale=3.0).chunk(2, dim=-1)
     check_gated(swiglu, "silu", gate, up)
 
 
-def test_empty_input():
-    gate, up = fresh_randn(0, 64, requires_grad=True), fresh_randn(0, 64, requires_grad=True)
+def test_empty_input(device):
+    gate = fresh_randn(0, 64, device=device, requires_grad=True)
+    up = fresh_randn(0, 64, device=device, requires_grad=True)
     out = swiglu(gate, up)
     out.sum().backward()
     assert out.shape == (0, 64) and gate.grad.shape == (0, 64)
@@ -162,8 +178,9 @@ def test_empty_input():
         ((3, 8), (3, 8), (torch.float32, torch.float32), "relu", "supported: "),
     ],
 )
-def test_bad_inputs_raise(gate_shape, up_shape, dtypes, activation, match):
-    gate, up = torch.ones(gate_shape, dtype=dtypes[0]), torch.ones(up_shape, dtype=dtypes[1])
+def test_bad_inputs_raise(gate_shape, up_shape, dtypes, activation, match, device):
+    gate = torch.ones(gate_shape, dtype=dtypes[0], device=device)
+    up = torch.ones(up_shape, dtype=dtypes[1], device=device)
     with pytest.raises(ValueError, match=match):
         gated_act(gate, up, activation)
 
@@ -203,7 +220,7 @@ def assert_mlp_close(out, ref, hf_bf16_out, dtype, what):
     assert ours <= BF16_MLP_FACTOR * theirs, f"{what}: relative error {ours:.3g} vs HF bf16's {theirs:.3g}"
 
 
-def check_mlp(kind, activation, dtype, bias, device="cpu", batch=(3, 5), hidden=96, inter=200):
+def check_mlp(kind, activation, dtype, bias, device, batch=(3, 5), hidden=96, inter=200):
     """Our GatedMLP loaded from an HF MLP's state_dict vs that MLP in float64 (and in `dtype`)."""
     ours_act = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}[activation]
     hf = hf_mlp(kind, hidden, inter, activation, bias).to(device)
@@ -233,12 +250,12 @@ def check_mlp(kind, activation, dtype, bias, device="cpu", batch=(3, 5), hidden=
 @pytest.mark.parametrize("kind", ["llama", "phi3"])
 @pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-def test_mlp_matches_hf(kind, activation, dtype, poisoned_allocations):
-    check_mlp(kind, activation, dtype, bias=False)
+def test_mlp_matches_hf(kind, activation, dtype, device, poisoned_allocations):
+    check_mlp(kind, activation, dtype, bias=False, device=device)
 
 
-def test_mlp_with_bias_matches_llama(poisoned_allocations):
-    check_mlp("llama", "silu", torch.float32, bias=True)
+def test_mlp_with_bias_matches_llama(device, poisoned_allocations):
+    check_mlp("llama", "silu", torch.float32, bias=True, device=device)
 
 
 def test_mlp_hf_activation_names_accepted():
