@@ -15,9 +15,10 @@ Method (DESIGN.md "Method for kernels"), all in one process, the same inputs for
   into ``.grad``, so no extra add kernel is timed.
 * **Peak extra memory**: ``torch.cuda.max_memory_allocated()`` during one call of the pass, minus
   what was allocated just before it (the inputs and upstream gradients; for ``bwd`` also the
-  forward's outputs and saved tensors), minus, for ``bwd`` and ``full``, the storage of the
-  gradients it returns (their final home, which any implementation needs). It is the transient
-  working memory plus, for ``fwd``, the outputs and what the forward saves for the backward.
+  forward's outputs and saved tensors), minus, for ``bwd`` and ``full``, the storage that the
+  call allocated for the gradients it returns (their final home, which any implementation
+  needs). It is the transient working memory plus, for ``fwd``, the outputs and what the
+  forward saves for the backward.
 * **Speed of light**: ``max(minimal bytes / copy bandwidth, minimal FLOPs / matmul rate)``, both
   rates measured at the start of the same run (a 1 GiB device-to-device copy counting read +
   write, and a bf16 8192³ matmul). ``% SOL`` is that time over the measured one.
@@ -78,7 +79,8 @@ DEFINITIONS = {
     "ms": "median time of one call (CUDA events, cold L2); bwd times the backward alone, after a fresh forward",
     "peak_extra_mib": (
         "max allocated during one call minus allocated before it (inputs, upstream grads, and for bwd "
-        "the forward's outputs and saved tensors), minus the returned gradients' own storage (bwd, full)"
+        "the forward's outputs and saved tensors), minus the storage of the returned gradients that "
+        "the call allocated (bwd, full): their final home"
     ),
     "gbps": "minimal bytes (each input read once, each output written once) / time",
     "pct_sol": "speed-of-light time / time; SOL = max(minimal bytes / copy bandwidth, minimal FLOPs / matmul rate)",
@@ -232,8 +234,17 @@ def _as_tuple(out) -> tuple[torch.Tensor, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
-def _storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
-    return {t.untyped_storage().data_ptr() for t in tensors}
+def _live_cuda_blocks() -> set[int]:
+    """Start addresses of the CUDA caching allocator's allocated blocks. Each allocation is its own
+    block, so a tensor's storage data_ptr is its block's start address."""
+    live = set()
+    for segment in torch.cuda.memory_snapshot():
+        address = segment["address"]
+        for block in segment["blocks"]:
+            if block["state"] == "active_allocated":
+                live.add(address)
+            address += block["size"]
+    return live
 
 
 def _new_storage_bytes(tensors: Iterable[torch.Tensor | None], existing: set[int]) -> int:
@@ -251,19 +262,22 @@ def _new_storage_bytes(tensors: Iterable[torch.Tensor | None], existing: set[int
     return total
 
 
-def _peak_extra_mib(run: Callable[[], object], inputs_storage: set[int] | None) -> float:
+def _peak_extra_mib(run: Callable[[], object], returns_grads: bool) -> float:
     """Run once on the current CUDA device and return the peak extra MiB (see DEFINITIONS).
 
-    With `inputs_storage` (the data pointers of the inputs' storages) `run` returns a tuple of
-    gradients, and the storage they hold beyond the inputs' is subtracted: it is their final home.
+    With `returns_grads`, `run` returns a tuple of gradients; the storage among them that was
+    allocated during the run is their final home and is subtracted. Storage that already existed
+    is not: a gradient written into an input (liger's cross entropy) or computed by the forward
+    and only handed over by the backward (fused losses) costs the backward nothing.
     """
     torch.cuda.synchronize()
+    existing = _live_cuda_blocks() if returns_grads else set()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     result = run()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    grads = _new_storage_bytes(result, inputs_storage) if inputs_storage is not None else 0
+    grads = _new_storage_bytes(result, existing) if returns_grads else 0
     return (peak - before - grads) / 2**20
 
 
@@ -310,7 +324,6 @@ def _measure_pass(ctx: RunContext, fn, inputs: Inputs, pass_: str) -> tuple[floa
     compute their gradient in the forward (ours, liger) cannot run a backward twice.
     """
     args, wrt, grad_out = inputs.args, inputs.differentiable, inputs.grad_outputs
-    keep = _storage_ptrs([*args, *(grad_out or ())])
     on_cuda = ctx.device.type == "cuda"
 
     def forward():
@@ -319,18 +332,15 @@ def _measure_pass(ctx: RunContext, fn, inputs: Inputs, pass_: str) -> tuple[floa
     def backward(out):
         return torch.autograd.grad(_as_tuple(out), wrt, grad_out)
 
-    if pass_ == "fwd":
-        run, inputs_storage = forward, None
-    elif pass_ == "full":
-        run, inputs_storage = lambda: backward(forward()), keep
-    else:
+    if pass_ == "bwd":
         mib = None
         if on_cuda:
             out = forward()
-            mib = _peak_extra_mib(lambda: backward(out), keep)
+            mib = _peak_extra_mib(lambda: backward(out), returns_grads=True)
             del out
         return ctx.timer.after(forward, backward), mib
-    return ctx.timer(run), _peak_extra_mib(run, inputs_storage) if on_cuda else None
+    run = forward if pass_ == "fwd" else lambda: backward(forward())
+    return ctx.timer(run), _peak_extra_mib(run, returns_grads=pass_ == "full") if on_cuda else None
 
 
 def _run_provider(

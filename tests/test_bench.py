@@ -428,7 +428,11 @@ GPU_SHAPES = [
 
 @pytest.mark.gpu
 def test_gpu_every_provider_runs_and_matches_eager(tmp_path):
-    result = run(BenchOptions(shapes=GPU_SHAPES, warmup_ms=2, rep_ms=10, out=tmp_path), log=lambda _: None)
+    # torch.compile is left to the benchmark run itself (its compile time would double this test's)
+    opts = BenchOptions(
+        providers="eager,liger,ligertune", shapes=GPU_SHAPES, warmup_ms=2, rep_ms=10, out=tmp_path
+    )
+    result = run(opts, log=lambda _: None)
     liger_importable = importlib.util.find_spec("liger_kernel") is not None
     for r in result.rows:
         expected = "ok" if r.provider != "liger" or liger_importable else "unavailable"
@@ -462,6 +466,38 @@ def test_gpu_peak_extra_memory_accounting():
     assert rows["fwd"].peak_extra_mib == pytest.approx(68, abs=0.5)
     assert rows["bwd"].peak_extra_mib == pytest.approx(0, abs=0.5)
     assert rows["full"].peak_extra_mib == pytest.approx(64, abs=0.5)
+
+
+class _GradInForward(torch.autograd.Function):
+    """loss = sum(2x) with its gradient computed in the forward, as fused losses do."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(torch.full_like(x, 2.0))
+        return x.sum() * 2  # no x-sized temporary
+
+    @staticmethod
+    def backward(ctx, grad):
+        (dx,) = ctx.saved_tensors
+        return dx  # handed over, not allocated (grad is 1 here)
+
+
+@pytest.mark.gpu
+def test_gpu_gradients_made_in_the_forward_cost_the_backward_nothing():
+    spec = dataclasses.replace(
+        _toy_spec(lambda inp: _GradInForward.apply, _unavailable, _unavailable),
+        make_inputs=lambda shape, dtype, device: Inputs(
+            {"x": torch.randn(*shape, dtype=dtype, device=device, requires_grad=True)}
+        ),
+        loss=True,
+    )
+    device = torch.device("cuda")
+    ctx = RunContext(device, torch.float32, PASSES, Timer(device, 1, 5), log=lambda _: None)
+    rows = {r.pass_: r for r in run_cases([(spec, (1024, 1024))], ("eager",), ctx)}
+    # fwd keeps dx (4 MiB) for the backward; the backward allocates nothing new: 0, not -4
+    assert rows["fwd"].peak_extra_mib == pytest.approx(4, abs=0.5)
+    assert rows["bwd"].peak_extra_mib == pytest.approx(0, abs=0.5)
+    assert rows["full"].peak_extra_mib == pytest.approx(0, abs=0.5)
 
 
 @pytest.mark.gpu
