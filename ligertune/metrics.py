@@ -1,0 +1,361 @@
+"""Training metrics: throughput, MFU, memory, and where they are written.
+
+Throughput
+    Two token counts per step: *label tokens* (those the loss is computed on, the number
+    that matters for fine-tuning cost) and *all tokens* (every input position the model
+    computes on: whole packed rows, padded batches without their padding). Both are reported
+    per second for the whole job and per GPU. The first
+    ``logging.throughput_warmup_steps`` steps (compilation, allocator growth, autotuning) are
+    left out of every rate: a logging window made only of warm-up steps reports n/a.
+
+MFU (model FLOPs utilisation)
+    Achieved model FLOP/s per GPU over the GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`, looked up
+    by device name). Model FLOPs per token follow the PaLM / Megatron convention:
+
+        6·N  +  12·L·d_attn·S
+
+    where N is the number of parameters that take part in matmuls (all parameters except the
+    input embedding table, whose lookup is not a matmul; the output projection counts even
+    when its weight is tied to the embedding), L the number of layers, d_attn = heads ×
+    head_dim and S the sequence length. 6·N is 2 FLOPs per multiply-add times 3 (forward,
+    and backward for activations and weights). The attention term is the same 2·3 factor on
+    the two S×S products (QKᵀ and PV) per layer: 2·3·2·d_attn·S. A causal kernel skips the
+    masked upper triangle and so does about half of that attention work; the convention
+    counts the full square (as published MFU figures do), so numbers here are comparable with
+    those, and slightly flattering for long sequences. Activation recomputation is not
+    counted (it is hardware FLOPs, not model FLOPs). With packing, S is the row length, an
+    upper bound on each packed sample's own length.
+
+Sinks
+    A JSONL file (``metrics.jsonl`` in the run directory, appended across resumes; one object
+    per line with an ``event`` of ``start``, ``train``, ``eval`` or ``summary``), the console
+    (a rich progress bar with ETA on a terminal, plain lines otherwise), TensorBoard scalars
+    when enabled and installed, and an end-of-run summary table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+# Dense (no sparsity) bf16 tensor-core peak in TFLOP/s, by a substring of
+# torch.cuda.get_device_name(). Looked up longest key first, so "H100 PCIe" wins over "H100".
+PEAK_BF16_TFLOPS: dict[str, float] = {
+    "B200": 2250.0,
+    "H200": 989.4,
+    "GH200": 989.4,
+    "H100 PCIe": 756.0,
+    "H100 NVL": 835.0,
+    "H100": 989.4,  # SXM ("NVIDIA H100 80GB HBM3")
+    "H800": 989.4,
+    "A100": 312.0,
+    "A800": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "MI300X": 1307.4,
+    "MI250X": 383.0,
+}
+
+GIB = 2**30
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of `device`, or None when it is not a GPU in the table."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
+        if key.lower() in name.lower():
+            return PEAK_BF16_TFLOPS[key] * 1e12
+    return None
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters taking part in matmuls: everything but the input embedding lookup, with the
+    output projection counted once even when it shares the embedding's weight."""
+    total = sum(p.numel() for p in model.parameters())  # shared (tied) parameters once
+    embedding = model.get_input_embeddings().weight
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is embedding
+    return total if tied else total - embedding.numel()
+
+
+def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token, 6·N + 12·L·d_attn·S (see the module docstring)."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    attention_width = config.num_attention_heads * head_dim
+    return 6.0 * matmul_params(model) + 12.0 * config.num_hidden_layers * attention_width * seq_len
+
+
+def peak_memory_gib(device: torch.device) -> tuple[float | None, float | None]:
+    """Peak memory allocated and reserved by the caching allocator since start (GiB)."""
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB
+
+
+@dataclass
+class _Counts:
+    seconds: float = 0.0
+    label_tokens: int = 0
+    tokens: int = 0
+    steps: int = 0
+
+    def add(self, seconds: float, label_tokens: int, tokens: int) -> None:
+        self.seconds += seconds
+        self.label_tokens += label_tokens
+        self.tokens += tokens
+        self.steps += 1
+
+
+class Throughput:
+    """Token rates over the current logging window and over the whole run, both without the
+    warm-up steps. Token counts are job-wide (summed over ranks)."""
+
+    def __init__(self, warmup_steps: int, world_size: int, flops_per_token: float, peak_flops: float | None):
+        self.warmup_steps = warmup_steps
+        self.world_size = world_size
+        self.flops_per_token = flops_per_token
+        self.peak_flops = peak_flops
+        self.window = _Counts()
+        self.run = _Counts()
+        self._steps_seen = 0
+
+    def add_step(self, seconds: float, label_tokens: int, tokens: int) -> None:
+        self._steps_seen += 1
+        if self._steps_seen <= self.warmup_steps:
+            return
+        self.window.add(seconds, label_tokens, tokens)
+        self.run.add(seconds, label_tokens, tokens)
+
+    def rates(self, counts: _Counts) -> dict[str, float | None]:
+        if counts.steps == 0 or counts.seconds <= 0:
+            return dict.fromkeys(
+                (
+                    "tokens_per_s",
+                    "label_tokens_per_s",
+                    "tokens_per_s_per_gpu",
+                    "label_tokens_per_s_per_gpu",
+                    "mfu",
+                )
+            )
+        tokens_per_s = counts.tokens / counts.seconds
+        per_gpu = tokens_per_s / self.world_size
+        return {
+            "tokens_per_s": tokens_per_s,
+            "label_tokens_per_s": counts.label_tokens / counts.seconds,
+            "tokens_per_s_per_gpu": per_gpu,
+            "label_tokens_per_s_per_gpu": counts.label_tokens / counts.seconds / self.world_size,
+            "mfu": per_gpu * self.flops_per_token / self.peak_flops if self.peak_flops else None,
+        }
+
+    def take_window(self) -> dict[str, float | None]:
+        """Rates over the steps since the last call, then start a new window."""
+        rates = self.rates(self.window)
+        self.window = _Counts()
+        return rates
+
+
+def _json_safe(value: Any) -> Any:
+    # JSON has no NaN/inf; a non-finite number is recorded as null (the record says why).
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _si(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return "n/a"
+    for scale, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f}{suffix}{unit}"
+    return f"{value:.1f}{unit}"
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def format_train_line(record: dict[str, Any], total_steps: int) -> str:
+    """One human-readable line for a `train` record."""
+    loss, norm = record.get("loss"), record.get("grad_norm")
+    parts = [
+        f"step {record['step']}/{total_steps}",
+        f"loss {loss:.4f}" if _finite(loss) else "loss non-finite",
+        f"lr {record['lr']:.3e}",
+        f"grad norm {norm:.3f}" if _finite(norm) else "grad norm non-finite",
+        f"{_si(record['tokens_per_s'])} tok/s ({_si(record['label_tokens_per_s'])} label)",
+        f"{_si(record['tokens_per_s_per_gpu'])} tok/s/GPU",
+        f"MFU {record['mfu'] * 100:.1f}%" if record.get("mfu") is not None else "MFU n/a",
+    ]
+    if record.get("peak_mem_allocated_gib") is not None:
+        parts.append(f"mem {record['peak_mem_allocated_gib']:.1f}/{record['peak_mem_reserved_gib']:.1f} GiB")
+    if record.get("skipped_steps"):
+        parts.append(f"skipped {record['skipped_steps']}")
+    return " | ".join(parts)
+
+
+@dataclass
+class RunSummary:
+    steps: int
+    seconds: float
+    rates: dict[str, float | None]
+    peak_mem_allocated_gib: float | None
+    peak_mem_reserved_gib: float | None
+    final_loss: float | None
+    eval_loss: float | None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_record(self) -> dict[str, Any]:
+        return {
+            "event": "summary",
+            "steps": self.steps,
+            "seconds": self.seconds,
+            **self.rates,
+            "peak_mem_allocated_gib": self.peak_mem_allocated_gib,
+            "peak_mem_reserved_gib": self.peak_mem_reserved_gib,
+            "final_loss": self.final_loss,
+            "eval_loss": self.eval_loss,
+            **self.extra,
+        }
+
+    def table(self) -> Table:
+        table = Table(title="run summary", show_header=False)
+        mem = (
+            f"{self.peak_mem_allocated_gib:.2f} GiB allocated, {self.peak_mem_reserved_gib:.2f} GiB reserved"
+            if self.peak_mem_allocated_gib is not None
+            else "n/a (CPU)"
+        )
+        rows = [
+            ("steps", str(self.steps)),
+            ("time", f"{self.seconds:.1f} s"),
+            (
+                "mean tokens/s",
+                f"{_si(self.rates['tokens_per_s'])} ({_si(self.rates['label_tokens_per_s'])} label)",
+            ),
+            ("mean tokens/s/GPU", _si(self.rates["tokens_per_s_per_gpu"])),
+            ("MFU", f"{self.rates['mfu'] * 100:.1f}%" if self.rates["mfu"] is not None else "n/a"),
+            ("peak memory", mem),
+            ("final loss", f"{self.final_loss:.4f}" if self.final_loss is not None else "n/a"),
+            ("eval loss", f"{self.eval_loss:.4f}" if self.eval_loss is not None else "n/a"),
+        ]
+        for key, value in rows + [(k, str(v)) for k, v in self.extra.items()]:
+            table.add_row(key, value)
+        return table
+
+
+class MetricsLogger:
+    """Writes records to the JSONL file, the console and TensorBoard. Only the main rank
+    should create one; every method is cheap and never touches the GPU."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        total_steps: int,
+        start_step: int,
+        progress: str = "auto",
+        tensorboard: bool = False,
+        console: Console | None = None,
+    ):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._file = self.path.open("a", encoding="utf-8")
+        self.total_steps = total_steps
+        self.console = console or Console(highlight=False)
+        use_rich = progress == "rich" or (progress == "auto" and sys.stdout.isatty())
+        self._progress = None
+        if use_rich:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[status]}"),
+                console=self.console,
+            )
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self._progress.start()
+        self._tensorboard = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                self.info(
+                    "logging.tensorboard is on but tensorboard is not installed (pip install tensorboard); skipping it"
+                )
+            else:
+                self._tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+
+    def info(self, message: str) -> None:
+        # soft_wrap: a plain line stays one line in a log file, whatever the terminal width.
+        self.console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = {k: _json_safe(v) for k, v in record.items()}
+        record.setdefault("time", time.time())
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tensorboard is not None and "step" in record:
+            prefix = record["event"]
+            for key, value in record.items():
+                if (
+                    isinstance(value, (int, float))
+                    and not isinstance(value, bool)
+                    and key not in ("step", "time")
+                ):
+                    self._tensorboard.add_scalar(f"{prefix}/{key}", value, record["step"])
+
+    def step_done(self, step: int, loss: float | None) -> None:
+        """Advance the progress bar (every step, so the ETA stays current)."""
+        if self._progress is not None:
+            status = f"loss {loss:.4f}" if loss is not None else ""
+            self._progress.update(self._task, completed=step, status=status)
+
+    def train(self, record: dict[str, Any]) -> None:
+        self.write({"event": "train", **record})
+        self.info(format_train_line(record, self.total_steps))
+
+    def eval(self, record: dict[str, Any]) -> None:
+        self.write({"event": "eval", **record})
+        ppl = record.get("eval_ppl")
+        self.info(
+            f"eval step {record['step']} | loss {record['eval_loss']:.4f} | ppl {ppl:.2f} | "
+            f"{record['eval_label_tokens']} label tokens"
+        )
+
+    def summary(self, summary: RunSummary) -> None:
+        self.write(summary.as_record())
+        self.close_progress()
+        self.console.print(summary.table())
+
+    def close_progress(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+    def close(self) -> None:
+        self.close_progress()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+        self._file.close()

@@ -1,0 +1,220 @@
+"""Building the model a recipe asks for, and getting it ready to train.
+
+Two sources (the recipe validator guarantees exactly one is set):
+
+- ``model.name_or_path``: pretrained weights from a hub id or a local directory, loaded with
+  ``AutoModelForCausalLM.from_pretrained`` in the parameter dtype of the chosen precision.
+- ``model.config``: a random-init architecture, either a shipped name
+  (`ligertune.configs.SHIPPED_CONFIGS`) or a transformers config mapping with ``model_type``;
+  used for benchmarks and offline runs. Initialisation is seeded by the recipe seed.
+
+``model.config_overrides`` change config fields. For a random-init architecture they are
+merged into the mapping *before* the config is built, exactly as if the mapping had said so,
+so derived fields (``head_dim`` from ``hidden_size``) follow. For pretrained weights they are
+set on the loaded config (shapes must then still match the checkpoint). Unknown keys are an
+error, not silently stored attributes.
+
+Parameter dtype by ``training.precision`` (see `ligertune.train` for the trade-offs):
+``bf16`` → bfloat16 parameters; ``bf16-mixed`` and ``fp32`` → float32 parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import importlib.util
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from ligertune.recipe import Recipe, RecipeError, looks_local
+
+
+def param_dtype(precision: str) -> torch.dtype:
+    """Storage dtype of the parameters for a `training.precision` value."""
+    return torch.bfloat16 if precision == "bf16" else torch.float32
+
+
+def _model_source(recipe: Recipe) -> str:
+    name = recipe.model.name_or_path
+    return str(recipe.resolve(name)) if looks_local(name) else name
+
+
+def _unknown_keys_problem(unknown: list[str], known: list[str]) -> str:
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1)
+        hints.append(f"{key} (did you mean {close[0]}?)" if close else key)
+    return (
+        f"model.config_overrides: not a field of this architecture's config: {', '.join(hints)}; "
+        f"known fields: {', '.join(sorted(k for k in known if not k.startswith('_')))}"
+    )
+
+
+def build_config(recipe: Recipe):
+    """The transformers config of the model to train, with the recipe's overrides applied."""
+    from transformers import AutoConfig
+
+    overrides = dict(recipe.model.config_overrides)
+    if recipe.model.config is None:
+        config, unused = AutoConfig.from_pretrained(
+            _model_source(recipe),
+            trust_remote_code=recipe.model.trust_remote_code,
+            revision=recipe.model.revision,
+            return_unused_kwargs=True,
+            **overrides,
+        )
+        if unused:
+            raise RecipeError([_unknown_keys_problem(sorted(unused), list(config.to_dict()))])
+        return config
+
+    if isinstance(recipe.model.config, str):
+        from ligertune.configs import SHIPPED_CONFIGS
+
+        mapping = copy.deepcopy(SHIPPED_CONFIGS[recipe.model.config])
+    else:
+        mapping = copy.deepcopy(recipe.model.config)
+    model_type = mapping.pop("model_type")
+    try:
+        base = AutoConfig.for_model(model_type, **mapping)
+    except ValueError as e:
+        raise RecipeError([f"model.config: {e}"]) from None
+    # A config class stores any keyword it is given, so typos must be caught against the
+    # fields the class itself defines (plus those the mapping already set).
+    known = set(type(base)().to_dict()) | set(base.to_dict())
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise RecipeError([_unknown_keys_problem(unknown, sorted(known))])
+    return AutoConfig.for_model(model_type, **{**mapping, **overrides})
+
+
+def _check_attention(recipe: Recipe, device: torch.device) -> None:
+    if recipe.model.attn_implementation != "flash_attention_2":
+        return
+    if importlib.util.find_spec("flash_attn") is None:
+        raise RecipeError(
+            [
+                "model.attn_implementation: flash_attention_2 needs the flash-attn package, which is not "
+                "installed; install it (pip install flash-attn --no-build-isolation) or use sdpa"
+            ]
+        )
+    if device.type != "cuda":
+        raise RecipeError(["model.attn_implementation: flash_attention_2 runs on CUDA only; use sdpa on CPU"])
+
+
+def build_model(recipe: Recipe, device: torch.device):
+    """Load or randomly initialise the causal LM, its parameters materialised on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    _check_attention(recipe, device)
+    config = build_config(recipe)
+    dtype = param_dtype(recipe.training.precision)
+    common = dict(
+        dtype=dtype,
+        attn_implementation=recipe.model.attn_implementation,
+        trust_remote_code=recipe.model.trust_remote_code,
+    )
+    if recipe.model.config is None:
+        model = AutoModelForCausalLM.from_pretrained(
+            _model_source(recipe),
+            config=config,
+            revision=recipe.model.revision,
+            device_map=str(device),
+            **common,
+        )
+    else:
+        torch.manual_seed(recipe.seed)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, **common)
+    # Training never decodes. More than memory is at stake: with a cache, transformers 5.17
+    # builds a plain causal mask and skips the packed-sequence detection from position ids,
+    # so packed samples would attend to each other.
+    model.config.use_cache = False
+    _check_loss_kwargs(model)
+    return model
+
+
+def _check_loss_kwargs(model: nn.Module) -> None:
+    """The loop normalises the loss by passing `num_items_in_batch` through the model's
+    forward to its loss function; a model that drops it would silently average per
+    micro-batch instead, so refuse it."""
+    accepts = getattr(model, "accepts_loss_kwargs", None)
+    if accepts is None:
+        params = inspect.signature(model.forward).parameters.values()
+        accepts = any(p.kind is p.VAR_KEYWORD or p.name == "num_items_in_batch" for p in params)
+    if not accepts:
+        raise RecipeError(
+            [
+                f"model: {type(model).__name__}.forward does not accept num_items_in_batch, which ligertune "
+                "passes to normalise the loss over the accumulation window; this model is not supported"
+            ]
+        )
+
+
+def check_vocab(model: nn.Module, tokenizer: Any) -> None:
+    """Every token id the tokenizer can produce must have an embedding row."""
+    vocab = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > vocab:
+        raise RecipeError(
+            [
+                f"model: the tokenizer has {len(tokenizer)} tokens but the model's embedding has {vocab} rows; "
+                f"use a matching tokenizer, or for a random-init model set model.config_overrides.vocab_size={len(tokenizer)}"
+            ]
+        )
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks, found by the class names the model itself declares
+    as its unit of sharding (``_no_split_modules``, e.g. LlamaDecoderLayer)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise RecipeError(
+            [
+                f"model: cannot find the decoder layers of {type(model).__name__} (no _no_split_modules); "
+                "turn off training.compile and training.activation_checkpointing for this model"
+            ]
+        )
+    return layers
+
+
+def prepare_for_training(model: nn.Module, recipe: Recipe) -> str | None:
+    """Kernel patching, activation checkpointing and compilation, in that order, in place.
+
+    Patching comes first so that checkpointing and compilation see the final modules.
+    Returns the patch report (None when every kernel is off).
+    """
+    report = None
+    enabled = recipe.kernels.enabled()
+    if enabled:
+        try:
+            from ligertune.patching import patch_model
+        except ModuleNotFoundError as e:
+            if e.name != "ligertune.patching":
+                raise
+            raise RecipeError(
+                [
+                    f"kernels: {', '.join(enabled)} asked for, but kernels are not available yet; set kernels: none"
+                ]
+            ) from None
+        report = str(patch_model(model, recipe.kernels))
+    model.train()
+    if recipe.training.activation_checkpointing:
+        if not model.supports_gradient_checkpointing:
+            raise RecipeError(
+                [
+                    f"training.activation_checkpointing: {type(model).__name__} does not support it; set it to false"
+                ]
+            )
+        # Non-reentrant checkpointing works with inputs that need no grad, with kwargs and
+        # with torch.compile; the reentrant variant does not.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if recipe.training.compile:
+        # Compiling each layer in place (not the whole model) keeps state-dict names unchanged,
+        # compiles one graph reused by every layer, and leaves the loss head (where the fused
+        # linear cross entropy lives) to its own kernels.
+        for layer in decoder_layers(model):
+            layer.compile()
+    return report
