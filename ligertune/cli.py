@@ -171,6 +171,42 @@ def env() -> None:
 
 
 @app.command()
+def train(
+    recipe: Path = typer.Argument(..., help="Recipe file."),
+    overrides: list[str] | None = typer.Argument(None, help="key=value overrides, e.g. training.lr=1e-4."),
+) -> None:
+    """Fine-tune a model as the recipe says: checkpoints, metrics and the export go to its output_dir.
+
+    Exit status: 0 done, 1 training failed (e.g. non-finite loss), 2 bad recipe or data,
+    128 + signal number after SIGTERM/SIGINT (a checkpoint was saved; rerun to resume).
+
+    [bold]Examples[/]
+
+      ligertune train recipes/quickstart.yaml
+
+      ligertune train recipes/quickstart.yaml training.max_steps=20 output_dir=runs/try
+    """
+    from rich.markup import escape
+
+    from ligertune.data import DataError
+    from ligertune.train import TrainingError
+    from ligertune.train import train as run_training
+
+    try:
+        result = run_training(load_recipe(recipe, overrides or []))
+    except RecipeError as e:
+        fail(e)
+    except DataError as e:
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        raise typer.Exit(2) from None
+    except TrainingError as e:
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        raise typer.Exit(1) from None
+    if result.signal is not None:
+        raise typer.Exit(128 + result.signal)
+
+
+@app.command()
 def bench(
     kernels: str = typer.Option(
         "all", "--kernels", "-k", help="rms_norm,add_rms_norm,layer_norm,rope,swiglu,geglu,ce,flce"

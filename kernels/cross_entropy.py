@@ -1,0 +1,733 @@
+"""Cross entropy over materialised logits: loss and gradient in one pass over the logits.
+
+Math (row ``i``: logits ``x ∈ R^V``, target ``y``, class weights ``w`` — all ones when not
+given —, label smoothing ``ε``, z-loss scale ``s``, optional final-logit cap ``c``)::
+
+    z_j = c · tanh(x_j / c)            (Gemma 2/3 soft cap; z = x without it)
+    lse = log Σ_j exp(z_j),   p_j = exp(z_j − lse)
+    ℓ   = (1−ε) · w_y · (lse − z_y)  +  (ε/V) · Σ_j w_j · (lse − z_j)  +  s · lse²
+
+The first two terms are exactly PyTorch's weighted, label-smoothed cross entropy (the smoothing
+term weighs every class by its own weight, the nll term by the target's); the last is the z-loss,
+added per token and unweighted. Differentiating, with ``W = Σ_j w_j`` (``V`` without weights)::
+
+    ∂ℓ/∂z_j = p_j · A − (1−ε) · w_y · [j = y] − (ε/V) · w_j,    A = (1−ε) · w_y + (ε/V) · W + 2 s · lse
+    ∂z_j/∂x_j = 1 − tanh²(x_j / c) = 1 − (z_j / c)²              (chain rule through the cap)
+
+Rows whose target is ``ignore_index`` have ℓ = 0 and a zero gradient row.
+
+Reductions (all normalisers stay device tensors: no host synchronisation anywhere):
+
+* ``"sum"``: Σ_i ℓ_i.  ``"none"``: the vector ℓ (fp32).
+* ``"mean"``: Σ_i ℓ_i / D with ``D`` = the number of non-ignored targets, or with class weights
+  ``Σ_{i not ignored} w_{y_i}`` — both exactly as ``torch.nn.functional.cross_entropy``, whose
+  weighted mean divides the smoothing term by that same weight sum. Where PyTorch returns NaN
+  (``D = 0``: every target ignored) this returns 0 with a zero gradient.
+* ``num_items_in_batch`` (only with ``reduction="mean"``): ``D`` is replaced by the given token
+  count, so the micro-batches of a gradient-accumulation step, each divided by the step's total
+  count, add up to the loss and gradient of the one big batch.
+
+``z_loss`` (when asked) is ``Σ_i s · lse_i²`` under the same reduction and normaliser, returned
+detached for logging: its gradient is already part of ``loss``'s. ``token_accuracy`` is the
+fraction of non-ignored tokens whose argmax (first maximum on ties, like ``torch.argmax``) is the
+target, or, for ``reduction="none"``, a 0/1 value per token (0 on ignored ones); it comes from the
+same pass over the logits. The loss is always fp32; the gradient has the logits' dtype.
+
+Kernel design. CE is a streaming problem: read the logits once, write the gradient once (speed
+of light for bf16 8192 × 128256 on an H200 is 2 × 2.1 GB / 4.2 TB/s ≈ 1.0 ms). One program per
+row runs two loops over blocks of the row: the first keeps an online max / sum-of-exponentials
+(plus the smoothing sums and the running argmax), the second re-reads the row and writes the
+gradient, already multiplied by the reduction's scale. The second read of a row should mostly
+hit L2: a 128k bf16 row is 256 KB; compiled for sm_90 at 16 warps the kernel takes 59 registers
+per thread (125 with every option on), so 1–2 programs (rows) per SM are in flight, 33–67 MB on
+132 SMs against a 50 MB L2, and the second loop walks the row backwards, so the blocks read
+last in the first loop are re-read first. The gradient can overwrite the logits
+(``inplace_backward=True``), which is how the fused linear cross entropy uses this kernel.
+
+Since the gradient is computed in the forward pass, ``backward`` only multiplies it by the
+incoming gradient. That multiply is done by a kernel that reads the scalar on the device and
+skips the whole pass when it is exactly 1 (the usual case), so no host has to look at it; for
+bf16 logits any other value rounds the stored bf16 gradient a second time (≤ 1 more ulp). For
+``reduction="none"`` the stored gradient is per-token unscaled and ``backward`` scales row ``i``
+by ``grad_output[i]``. Backward may run once per forward (the stored gradient is scaled in place).
+
+Target values outside ``[0, V)`` that are not ``ignore_index``: on CPU tensors they raise a
+``ValueError`` up front; on a GPU checking them would need a host sync, so the kernel instead
+makes that row's loss NaN, which a training loop's non-finite-loss guard catches.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+from ._utils import INTERPRET, next_power_of_2, num_warps_for, use_triton
+
+__all__ = ["CrossEntropyLoss", "CrossEntropyOutput", "cross_entropy", "cross_entropy_reference"]
+
+REDUCTIONS = ("mean", "sum", "none")
+
+# Columns per loop iteration. On a GPU, 16384 bf16 (32 KB) per iteration with 16 warps keeps 32
+# values per thread in flight: a 128k row takes 8 iterations per pass. Under the interpreter the
+# cost is per iteration, not per element, but a small block makes the CPU tests (vocab ≤ 4096)
+# cover the multi-block loop and a partial last block.
+_GPU_BLOCK = 16384
+_INTERPRET_BLOCK = 1024
+# Columns per iteration of the rescaling kernel (rows of gradients: vocab or hidden sized).
+_SCALE_BLOCK = 4096
+# Start of the running max: below every finite logit a model produces. A finite start (rather
+# than −inf) keeps exp(m_old − m_new) defined when a whole block is −inf (a masked-out part of
+# the vocabulary). constexpr: compiled kernels may only read constexpr globals.
+_MAX_FLOOR = tl.constexpr(-3.0e38)
+
+
+class CrossEntropyOutput(NamedTuple):
+    """What ``cross_entropy`` returns when ``return_z_loss`` or ``return_token_accuracy`` is set."""
+
+    loss: torch.Tensor
+    z_loss: torch.Tensor | None
+    token_accuracy: torch.Tensor | None
+
+
+class CEOptions(NamedTuple):
+    """Validated cross-entropy options, shared with the fused linear cross entropy."""
+
+    ignore_index: int
+    label_smoothing: float
+    lse_square_scale: float
+    softcap: float | None
+    reduction: str
+    return_z_loss: bool
+    return_token_accuracy: bool
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tanh(x):
+    # libdevice's tanh does not run under the CPU interpreter. 2σ(2x) − 1 is exact in real
+    # arithmetic; its absolute error (~1e-7) times the cap stays below a bf16 logit's own rounding.
+    return 2.0 * tl.sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    LOGITS,
+    GRAD,
+    TARGET,
+    CLASS_WEIGHT,
+    LOSS,
+    Z_LOSS,
+    CORRECT,
+    GRAD_SCALE,
+    stride_logits,
+    stride_grad,
+    stride_grad_scale,
+    n_cols,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    COMPUTE_ACC: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # int64 row offsets: 8192 rows × 256000 columns already pass 2³¹.
+    row = tl.program_id(0).to(tl.int64)
+    LOGITS += row * stride_logits
+    GRAD += row * stride_grad
+    offs = tl.arange(0, BLOCK)
+    y = tl.load(TARGET + row).to(tl.int64)
+
+    if y == ignore_index:
+        tl.store(LOSS + row, 0.0)
+        tl.store(Z_LOSS + row, 0.0)
+        if COMPUTE_ACC:
+            tl.store(CORRECT + row, 0.0)
+        if COMPUTE_GRAD:
+            zeros = tl.zeros([BLOCK], dtype=GRAD.dtype.element_ty)
+            for start in range(0, n_cols, BLOCK):
+                tl.store(GRAD + start + offs, zeros, mask=start + offs < n_cols)
+        return
+
+    # Pass 1: online max and sum of exponentials (and the smoothing sums and the argmax).
+    m = tl.full([], _MAX_FLOOR, tl.float32)
+    d = tl.zeros([], tl.float32)
+    sum_wz = tl.zeros([], tl.float32)  # Σ_j w_j z_j   (smoothing only)
+    sum_w = tl.zeros([], tl.float32)  # Σ_j w_j       (smoothing with class weights only)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.zeros([], tl.int32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + offs
+        mask = cols < n_cols
+        z = tl.load(LOGITS + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        if COMPUTE_ACC:
+            # On the raw logits: the cap is monotonic but may round distinct values to one.
+            blk_best, blk_idx = tl.max(z, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            best_idx = tl.where(blk_best > best, start + blk_idx, best_idx)
+            best = tl.maximum(best, blk_best)
+        if HAS_SOFTCAP:
+            z = tl.where(mask, softcap * _tanh(z / softcap), float("-inf"))
+        m_new = tl.maximum(m, tl.max(z, axis=0))
+        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+        m = m_new
+        if HAS_SMOOTHING:
+            z_in = tl.where(mask, z, 0.0)
+            if HAS_WEIGHT:
+                w = tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32)
+                sum_wz += tl.sum(w * z_in, axis=0)
+                sum_w += tl.sum(w, axis=0)
+            else:
+                sum_wz += tl.sum(z_in, axis=0)
+    lse = m + tl.log(d)
+
+    # A target outside [0, V) reads NaN instead of out-of-bounds memory: the row's loss is NaN.
+    y_ok = (y >= 0) & (y < n_cols)
+    z_y = tl.load(LOGITS + y, mask=y_ok, other=float("nan")).to(tl.float32)
+    if HAS_SOFTCAP:
+        z_y = softcap * _tanh(z_y / softcap)
+    if HAS_WEIGHT:
+        w_y = tl.load(CLASS_WEIGHT + y, mask=y_ok, other=float("nan")).to(tl.float32)
+    else:
+        w_y = 1.0
+    if HAS_WEIGHT:
+        w_total = sum_w
+    else:
+        w_total = n_cols * 1.0
+    eps_per_class = label_smoothing / n_cols
+
+    z_loss = lse_square_scale * lse * lse
+    loss = (1.0 - label_smoothing) * w_y * (lse - z_y) + z_loss
+    if HAS_SMOOTHING:
+        loss += eps_per_class * (w_total * lse - sum_wz)
+    tl.store(LOSS + row, loss)
+    tl.store(Z_LOSS + row, z_loss)
+    if COMPUTE_ACC:
+        tl.store(CORRECT + row, (best_idx == y).to(tl.float32))
+
+    # Pass 2: the gradient, scaled by the reduction's factor, written over GRAD (may alias LOGITS:
+    # every element is read before the same program overwrites it).
+    if COMPUTE_GRAD:
+        scale = tl.load(GRAD_SCALE + row * stride_grad_scale).to(tl.float32)
+        a = (1.0 - label_smoothing) * w_y + 2.0 * lse_square_scale * lse
+        if HAS_SMOOTHING:
+            a += eps_per_class * w_total
+        a *= scale
+        at_target = scale * (1.0 - label_smoothing) * w_y
+        # Backwards over the row: the blocks pass 1 read last are the likeliest to still be in L2.
+        n_blocks = tl.cdiv(n_cols, BLOCK)
+        for i in range(0, n_blocks):
+            cols = (n_blocks - 1 - i) * BLOCK + offs
+            mask = cols < n_cols
+            z = tl.load(LOGITS + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                t = _tanh(z / softcap)
+                z = softcap * t
+            g = tl.exp(z - lse) * a
+            if HAS_SMOOTHING:
+                if HAS_WEIGHT:
+                    w = tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32)
+                    g -= (scale * eps_per_class) * w
+                else:
+                    g -= scale * eps_per_class
+            g = tl.where(cols == y, g - at_target, g)
+            if HAS_SOFTCAP:
+                g *= 1.0 - t * t
+            tl.store(GRAD + cols, g.to(GRAD.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _scale_rows_kernel(X, SCALE, stride_x, stride_scale, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.load(SCALE + row * stride_scale).to(tl.float32)
+    ptrs = X + row * stride_x + tl.arange(0, BLOCK)
+    # The incoming gradient is almost always exactly 1: deciding that here, on the device, saves a
+    # full read and write of the gradient without a host sync.
+    if s != 1.0:
+        for start in range(0, n_cols, BLOCK):
+            mask = start + tl.arange(0, BLOCK) < n_cols
+            x = tl.load(ptrs + start, mask=mask, other=0.0).to(tl.float32)
+            tl.store(ptrs + start, (x * s).to(X.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch helpers (shared with fused_linear_cross_entropy.py)
+# --------------------------------------------------------------------------------------------
+
+
+def launch_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    opts: CEOptions,
+    *,
+    loss_rows: torch.Tensor,
+    z_rows: torch.Tensor,
+    correct_rows: torch.Tensor | None,
+    grad: torch.Tensor | None,
+    grad_scale: torch.Tensor | None,
+) -> None:
+    """Run the kernel over the rows of ``logits`` [N, V] (unit column stride).
+
+    Writes per-row fp32 ``loss_rows``, ``z_rows`` and (if given) ``correct_rows``; when ``grad``
+    is given (it may be ``logits`` itself) writes ∂ℓ_i/∂x_i · scale_i into it, where ``grad_scale``
+    is a 0-d tensor (one scale for all rows) or an [N] tensor (row ``i`` uses element ``i``).
+    """
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    block = min(next_power_of_2(n_cols), _INTERPRET_BLOCK if INTERPRET else _GPU_BLOCK)
+    compute_grad = grad is not None
+    _cross_entropy_kernel[(n_rows,)](
+        logits,
+        grad if compute_grad else logits,
+        target,
+        class_weight if class_weight is not None else loss_rows,
+        loss_rows,
+        z_rows,
+        correct_rows if correct_rows is not None else loss_rows,
+        grad_scale if compute_grad else loss_rows,
+        logits.stride(0),
+        grad.stride(0) if compute_grad else 0,
+        grad_scale.stride(0) if compute_grad and grad_scale.dim() == 1 else 0,
+        n_cols,
+        opts.ignore_index,
+        opts.label_smoothing,
+        opts.lse_square_scale,
+        opts.softcap if opts.softcap is not None else 1.0,
+        HAS_WEIGHT=class_weight is not None,
+        HAS_SMOOTHING=opts.label_smoothing > 0.0,
+        HAS_SOFTCAP=opts.softcap is not None,
+        COMPUTE_ACC=correct_rows is not None,
+        COMPUTE_GRAD=compute_grad,
+        BLOCK=block,
+        num_warps=num_warps_for(block),
+    )
+
+
+def scale_rows_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x *= scale`` in place for a contiguous ``x`` viewed as rows of its last dimension.
+
+    ``scale`` is a 0-d tensor or one value per row (any stride, e.g. an expanded gradient). Rows
+    whose scale is exactly 1 are left untouched without the host reading the value.
+    """
+    rows = x.view(-1, x.shape[-1])
+    if rows.numel() == 0:
+        return x
+    block = min(next_power_of_2(rows.shape[1]), _SCALE_BLOCK)
+    _scale_rows_kernel[(rows.shape[0],)](
+        rows,
+        scale,
+        rows.stride(0),
+        scale.stride(0) if scale.dim() == 1 else 0,
+        rows.shape[1],
+        BLOCK=block,
+        num_warps=num_warps_for(block),
+    )
+    return x
+
+
+def reduction_scale(
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    opts: CEOptions,
+    num_items_in_batch: int | float | torch.Tensor | None,
+    n_cols: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, n_valid): the factor the summed loss is multiplied by, and the non-ignored count.
+
+    Both are 0-d fp32 tensors on ``target``'s device, computed without a host sync. The scale is
+    1 for "sum" and "none"; for "mean" it is 1/D (0 when D = 0, see the module docstring).
+    """
+    device = target.device
+    valid = target != opts.ignore_index
+    n_valid = valid.sum(dtype=torch.float32)
+    if num_items_in_batch is not None:
+        if isinstance(num_items_in_batch, torch.Tensor):
+            denom = num_items_in_batch.to(device=device, dtype=torch.float32).reshape(())
+        else:
+            denom = torch.full((), float(num_items_in_batch), dtype=torch.float32, device=device)
+    elif opts.reduction == "mean":
+        if class_weight is None:
+            denom = n_valid
+        else:
+            # Out-of-range targets (NaN rows, see the docstring) read a clamped weight here.
+            w_y = class_weight.float()[target.clamp(0, n_cols - 1)]
+            denom = torch.where(valid, w_y, 0.0).sum()
+    else:
+        return torch.ones((), dtype=torch.float32, device=device), n_valid
+    return torch.where(denom > 0, 1.0 / denom, 0.0), n_valid
+
+
+def reduce_rows(
+    loss_rows: torch.Tensor,
+    z_rows: torch.Tensor,
+    correct_rows: torch.Tensor | None,
+    scale: torch.Tensor,
+    n_valid: torch.Tensor,
+    opts: CEOptions,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(loss, z_loss or None, token_accuracy or None) from the per-row kernel outputs."""
+    z = z_rows if opts.return_z_loss else None
+    if opts.reduction == "none":
+        return loss_rows, z, correct_rows
+    loss = loss_rows.sum() * scale
+    if z is not None:
+        z = z.sum() * scale
+    acc = None if correct_rows is None else correct_rows.sum() / n_valid.clamp_min(1.0)
+    return loss, z, acc
+
+
+def package(loss, z_loss, token_accuracy, opts: CEOptions):
+    """The public return convention: the loss alone, or a ``CrossEntropyOutput``."""
+    if opts.return_z_loss or opts.return_token_accuracy:
+        return CrossEntropyOutput(loss, z_loss, token_accuracy)
+    return loss
+
+
+def check_options(
+    n_rows: int,
+    n_cols: int,
+    device: torch.device,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    *,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    reduction,
+    num_items_in_batch,
+    return_z_loss,
+    return_token_accuracy,
+    weight_name: str = "weight",
+) -> CEOptions:
+    """Validate everything but the logits themselves; raise ValueError naming the problem and the fix."""
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: use one of {REDUCTIONS}")
+    if not isinstance(ignore_index, numbers.Integral) or isinstance(ignore_index, bool):
+        raise ValueError(f"ignore_index={ignore_index!r}: must be an int (-100 by convention)")
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing}: must be in [0, 1]")
+    if not float(lse_square_scale) >= 0.0:
+        raise ValueError(f"lse_square_scale={lse_square_scale}: the z-loss scale must be ≥ 0 (e.g. 1e-4)")
+    if softcap is not None and not float(softcap) > 0.0:
+        raise ValueError(f"softcap={softcap}: must be > 0 (Gemma 2 uses 30.0); pass None to disable it")
+    if n_cols == 0:
+        raise ValueError("the vocabulary is empty: logits need at least one column")
+    if target.dim() != 1 or target.shape[0] != n_rows:
+        raise ValueError(
+            f"target has shape {tuple(target.shape)}; expected [{n_rows}] (one class index per logits row: "
+            "flatten [batch, seq] targets with .reshape(-1))"
+        )
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise ValueError(f"target has dtype {target.dtype}: class indices must be integers (torch.long)")
+    if target.device != device:
+        raise ValueError(f"target is on {target.device} but the logits are on {device}: move it with .to()")
+    if target.device.type == "cpu" and n_rows > 0:
+        # Checked on CPU only: on a GPU this would be a host sync (the kernel makes such rows NaN).
+        bad = (target != ignore_index) & ((target < 0) | (target >= n_cols))
+        if bool(bad.any()):
+            raise ValueError(
+                f"target has {int(bad.sum())} values outside [0, {n_cols}) that are not ignore_index={ignore_index} "
+                f"(first: {int(target[bad][0])}): check the tokenizer's vocabulary size against the model's"
+            )
+    if class_weight is not None:
+        if class_weight.shape != (n_cols,) or not class_weight.dtype.is_floating_point:
+            raise ValueError(
+                f"{weight_name} (class weights) has shape {tuple(class_weight.shape)} and dtype {class_weight.dtype}; "
+                f"expected a floating tensor of shape [{n_cols}] (one weight per class)"
+            )
+        if class_weight.device != device:
+            raise ValueError(f"{weight_name} (class weights) is on {class_weight.device}, not {device}")
+    if num_items_in_batch is not None:
+        if reduction != "mean":
+            raise ValueError(
+                f"num_items_in_batch replaces the denominator of reduction='mean'; got reduction={reduction!r}"
+            )
+        count = num_items_in_batch
+        if isinstance(count, torch.Tensor):
+            if count.numel() != 1:
+                raise ValueError(
+                    f"num_items_in_batch has shape {tuple(count.shape)}: pass one count (0-d tensor or int)"
+                )
+            # Only a count in CPU memory can be checked for free; on the device a count ≤ 0 gives a zero loss.
+            count = count.item() if count.device.type == "cpu" else 1
+        if not isinstance(count, numbers.Real) or not count > 0:
+            raise ValueError(
+                f"num_items_in_batch={num_items_in_batch!r}: must be a positive number or a 0-d tensor"
+            )
+    return CEOptions(
+        ignore_index=int(ignore_index),
+        label_smoothing=float(label_smoothing),
+        lse_square_scale=float(lse_square_scale),
+        softcap=None if softcap is None else float(softcap),
+        reduction=reduction,
+        return_z_loss=bool(return_z_loss),
+        return_token_accuracy=bool(return_token_accuracy),
+    )
+
+
+def host_count(num_items_in_batch):
+    """A count held in CPU memory becomes a Python number: copying it to the GPU from pageable
+    memory would wait for the stream. A count already on the device stays there."""
+    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.device.type == "cpu":
+        return num_items_in_batch.item()
+    return num_items_in_batch
+
+
+def _check_logits(logits: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(
+            f"logits have shape {tuple(logits.shape)}; expected [N, V]: flatten with .reshape(-1, logits.shape[-1])"
+        )
+    if not logits.dtype.is_floating_point:
+        raise ValueError(f"logits have dtype {logits.dtype}; expected a floating dtype (bf16, fp16, fp32)")
+
+
+# --------------------------------------------------------------------------------------------
+# autograd
+# --------------------------------------------------------------------------------------------
+
+
+class _CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, class_weight, opts, num_items, inplace, grad_enabled):
+        compute_grad = grad_enabled and ctx.needs_input_grad[0]
+        n_rows, n_cols = logits.shape
+        f32 = dict(dtype=torch.float32, device=logits.device)
+        scale, n_valid = reduction_scale(target, class_weight, opts, num_items, n_cols)
+        loss_rows, z_rows = torch.empty(n_rows, **f32), torch.empty(n_rows, **f32)
+        correct_rows = torch.empty(n_rows, **f32) if opts.return_token_accuracy else None
+        grad = None
+        if compute_grad:
+            grad = logits if inplace else torch.empty_like(logits)
+        # "none" stores the unscaled per-token gradient; backward applies grad_output row by row.
+        launch_cross_entropy(
+            logits,
+            target,
+            class_weight,
+            opts,
+            loss_rows=loss_rows,
+            z_rows=z_rows,
+            correct_rows=correct_rows,
+            grad=grad,
+            grad_scale=scale,
+        )
+        loss, z, acc = reduce_rows(loss_rows, z_rows, correct_rows, scale, n_valid, opts)
+        ctx.save_for_backward(grad)
+        ctx.backward_done = False
+        ctx.mark_non_differentiable(*(t for t in (z, acc) if t is not None))
+        return loss, z, acc
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_z, _grad_acc):
+        if ctx.backward_done:
+            raise RuntimeError(
+                "cross_entropy's backward ran twice: the gradient is stored once and scaled in place; "
+                "retain_graph / double backward are not supported (use cross_entropy_reference for that)"
+            )
+        ctx.backward_done = True
+        (grad,) = ctx.saved_tensors
+        scale_rows_(grad, grad_loss)
+        return grad, None, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    inplace_backward: bool = False,
+):
+    """Cross entropy of ``logits`` [N, V] against ``target`` [N] (see the module docstring for the math).
+
+    Args:
+        weight: class weights [V] (``torch.nn.functional.cross_entropy`` semantics).
+        ignore_index: targets with this value contribute 0 to the loss and get a zero gradient.
+        label_smoothing: ε in [0, 1].
+        lse_square_scale: z-loss scale ``s``; adds ``s · lse²`` per token.
+        softcap: ``c`` for ``z = c · tanh(x / c)`` applied before the softmax (Gemma 2/3), or None.
+        reduction: "mean", "sum" or "none".
+        num_items_in_batch: with ``reduction="mean"``, divide the sum by this count (int or 0-d
+            tensor) instead of by this batch's own count — for gradient accumulation.
+        return_z_loss, return_token_accuracy: also return these (as a ``CrossEntropyOutput``).
+        inplace_backward: write the gradient over ``logits`` (saves an [N, V] buffer). Only when
+            nothing else will read the logits afterwards — autograd cannot detect the overwrite.
+
+    Returns:
+        The fp32 loss, or ``CrossEntropyOutput(loss, z_loss, token_accuracy)`` when a return flag is set.
+    """
+    _check_logits(logits)
+    n_rows, n_cols = logits.shape
+    opts = check_options(
+        n_rows,
+        n_cols,
+        logits.device,
+        target,
+        weight,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        reduction=reduction,
+        num_items_in_batch=num_items_in_batch,
+        return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+    )
+    if not use_triton(logits):
+        return cross_entropy_reference(
+            logits,
+            target,
+            weight=weight,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            lse_square_scale=lse_square_scale,
+            softcap=softcap,
+            reduction=reduction,
+            num_items_in_batch=num_items_in_batch,
+            return_z_loss=return_z_loss,
+            return_token_accuracy=return_token_accuracy,
+        )
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    loss, z, acc = _CrossEntropyFunction.apply(
+        logits,
+        target.contiguous(),
+        None if weight is None else weight.contiguous(),
+        opts,
+        host_count(num_items_in_batch),
+        inplace_backward,
+        torch.is_grad_enabled(),
+    )
+    return package(loss, z, acc, opts)
+
+
+def cross_entropy_reference(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    inplace_backward: bool = False,
+):
+    """Pure-PyTorch ``cross_entropy`` with the same arguments and results (``inplace_backward`` is
+    ignored). Computes in fp32 (fp64 for fp64 logits) through ``log_softmax``; differentiable by
+    autograd. The CPU fallback of ``cross_entropy`` and the reference of its tests."""
+    _check_logits(logits)
+    n_rows, n_cols = logits.shape
+    opts = check_options(
+        n_rows,
+        n_cols,
+        logits.device,
+        target,
+        weight,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        reduction=reduction,
+        num_items_in_batch=num_items_in_batch,
+        return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+    )
+    x = logits if logits.dtype == torch.float64 else logits.float()
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    lse = torch.logsumexp(x, dim=-1)
+    logp = x - lse[:, None]
+    valid = target != ignore_index
+    safe_target = torch.where(valid, target, 0).long()
+    eps = opts.label_smoothing
+    if weight is None:
+        w_y = torch.ones_like(lse)
+        smooth = -logp.sum(-1)
+    else:
+        w = weight.to(x.dtype)
+        w_y = w[safe_target]
+        smooth = -(logp * w).sum(-1)
+    nll = -logp.gather(1, safe_target[:, None]).squeeze(1) * w_y
+    z_rows = torch.where(valid, opts.lse_square_scale * lse.square(), 0.0)
+    loss_rows = torch.where(valid, (1.0 - eps) * nll + (eps / n_cols) * smooth, 0.0) + z_rows
+    correct = (valid & (logits.argmax(-1) == target)).to(x.dtype) if return_token_accuracy else None
+
+    if reduction == "none":
+        return package(loss_rows, z_rows if return_z_loss else None, correct, opts)
+    if num_items_in_batch is not None:
+        denom = torch.as_tensor(num_items_in_batch, device=x.device).to(x.dtype)
+    elif reduction == "mean":
+        denom = torch.where(valid, w_y, 0.0).sum()
+    else:
+        denom = torch.ones((), dtype=x.dtype, device=x.device)
+    # A factor that does not depend on the logits: dividing by a zero count would give NaN
+    # gradients through torch.where, multiplying by 0 gives zeros.
+    scale = torch.where(denom > 0, 1.0 / denom, 0.0)
+    loss = loss_rows.sum() * scale
+    z_loss = z_rows.sum() * scale if return_z_loss else None
+    acc = correct.sum() / valid.sum().clamp_min(1) if correct is not None else None
+    return package(loss, z_loss, acc, opts)
+
+
+class CrossEntropyLoss(nn.Module):
+    """``cross_entropy`` with its options fixed at construction; ``forward(logits, target)``."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        label_smoothing: float = 0.0,
+        lse_square_scale: float = 0.0,
+        softcap: float | None = None,
+        reduction: str = "mean",
+        return_z_loss: bool = False,
+        return_token_accuracy: bool = False,
+        inplace_backward: bool = False,
+    ):
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.options = dict(
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            lse_square_scale=lse_square_scale,
+            softcap=softcap,
+            reduction=reduction,
+            return_z_loss=return_z_loss,
+            return_token_accuracy=return_token_accuracy,
+            inplace_backward=inplace_backward,
+        )
+
+    def forward(self, logits, target, num_items_in_batch=None):
+        return cross_entropy(
+            logits, target, weight=self.weight, num_items_in_batch=num_items_in_batch, **self.options
+        )

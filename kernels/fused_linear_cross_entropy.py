@@ -1,0 +1,436 @@
+"""Fused linear + cross entropy: ``loss = CE(hidden @ weight.T + bias, target)`` without ever
+holding the [N, V] logits.
+
+At vocab 128k–256k the logits (and their gradient) of one batch are gigabytes: 8192 tokens ×
+128256 classes is 2.1 GB in bf16, 4.2 GB in fp32, before the gradient. Here the tokens are
+processed in chunks of ``C`` rows, and everything of size C × V lives in one preallocated buffer:
+
+    logits_c  = h_c @ Wᵀ (+ b)                  torch matmul (cuBLAS) into the buffer, input dtype
+    dlogits_c = CE kernel, in place              loss rows + ∂ℓ/∂logits · scale (cross_entropy.py)
+    dh_c      = dlogits_c @ W                    written straight into grad_hidden[c]
+    dW       += dlogits_cᵀ @ h_c                 accumulated over chunks (see below)
+    db       += Σ_rows dlogits_c                 fp32
+
+so the gradients are complete when the forward returns; ``backward`` only multiplies them by the
+incoming (scalar) gradient — with the device-side "skip when exactly 1" kernel, no host sync.
+
+Chunk size. ``C`` comes from ``memory_budget_bytes`` and the shapes: the largest C with
+C × V × element size within the budget, then the chunks are balanced (N split into equal parts)
+and rounded up to a multiple of 64 rows when that stays within the budget (matmul tiles). The
+default budget (768 MiB) gives, at V = 128256 in bf16, 3 chunks of 2752 rows for N = 8192 —
+matmuls big enough to run at full speed, and a buffer well under the 1 GiB extra-memory target.
+
+dW accumulation. ``accum_dtype`` (fp32 by default) is the dtype of the running sum over chunks.
+Summing in bf16 rounds the running total once per chunk, and the rounding error grows with the
+number of chunks (long runs drift). With fp32 each chunk's product is added to an fp32
+accumulator by cuBLAS (``addmm`` with ``out_dtype=float32``, bf16 inputs, fp32 C) and rounded to
+the weight's dtype once at the end. The price is memory: the accumulator is V × H × 4 bytes
+(2.1 GB at 128256 × 4096) on top of the bf16 gradient, so the ≤ 1 GiB extra-memory target holds
+only with ``accum_dtype=weight.dtype``. Two cases need no accumulator at all: a single chunk
+(cuBLAS already sums over all N in fp32) and fp32 weights. Where torch cannot run that mixed
+``addmm`` (CPU, older torch) each chunk's product is computed in slices of the weight's rows in
+the input dtype and added to the fp32 accumulator; the slices reuse the budget (the logits buffer
+then gets half of it).
+
+``reduction="none"``: the upstream gradient differs per token, and dW = Σ_i g_i · dlogits_iᵀ h_i
+cannot be rescaled after the fact without keeping the [N, V] gradient. So the forward computes
+only the losses (one matmul per chunk, no gradient pass) and the backward redoes the chunk loop
+with the per-token scale fed into the CE kernel: four matmuls in all instead of three, never
+more memory.
+
+The function takes the lm_head weight as an argument and keeps nothing between calls, so a
+caller can run it inside the lm_head module's own forward, where FSDP2 / ZeRO-3 have the full
+weight gathered; a weight tied to the embedding gets its two gradient contributions summed by
+autograd as usual. Under autocast, hidden/weight/bias are cast to the autocast dtype first, like
+``F.linear`` would.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+
+import torch
+import torch.nn.functional as F
+
+from ._utils import use_triton
+from .cross_entropy import (
+    check_options,
+    cross_entropy_reference,
+    host_count,
+    launch_cross_entropy,
+    package,
+    reduce_rows,
+    reduction_scale,
+    scale_rows_,
+)
+
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET_BYTES",
+    "fused_linear_cross_entropy",
+    "fused_linear_cross_entropy_reference",
+]
+
+DEFAULT_MEMORY_BUDGET_BYTES = 768 * 2**20
+# Chunks are rounded to a multiple of this many rows (matmul tile size) when the budget allows.
+_ROW_ALIGN = 64
+
+
+def chunk_rows(n_rows: int, n_cols: int, bytes_per_element: int, budget_bytes: int) -> int:
+    """Rows per chunk: the largest count whose [rows, n_cols] buffer fits ``budget_bytes``,
+    balanced over the chunks that ``n_rows`` then needs and tile-aligned where that still fits.
+    At least one row, however small the budget."""
+    max_rows = max(1, budget_bytes // (n_cols * bytes_per_element))
+    if n_rows <= max_rows:
+        return max(1, n_rows)
+    rows = math.ceil(n_rows / math.ceil(n_rows / max_rows))
+    aligned = math.ceil(rows / _ROW_ALIGN) * _ROW_ALIGN
+    return aligned if aligned <= max_rows else rows
+
+
+@functools.cache
+def _mixed_matmul_supported(device_type: str) -> bool:
+    """Whether torch runs mm/addmm with bf16 inputs into an fp32 output/accumulator on this device."""
+    a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+    acc = torch.zeros(2, 2, dtype=torch.float32, device=device_type)
+    try:
+        torch.mm(a, a, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return True
+
+
+def _matmul_into(
+    out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, accumulate: bool, slice_rows: int
+) -> None:
+    """``out = a @ b`` or ``out += a @ b``, where ``out`` may be wider (fp32) than ``a`` and ``b``."""
+    if out.dtype == a.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+    elif _mixed_matmul_supported(out.device.type):
+        if accumulate:
+            torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+        else:
+            torch.mm(a, b, out_dtype=out.dtype, out=out)
+    else:
+        # Each slice's product is rounded to the input dtype once, then summed exactly enough in
+        # `out`'s dtype: the error no longer grows with the number of chunks.
+        for r in range(0, out.shape[0], slice_rows):
+            part = a[r : r + slice_rows] @ b
+            if accumulate:
+                out[r : r + slice_rows] += part
+            else:
+                out[r : r + slice_rows].copy_(part)
+
+
+def _sweep(
+    hidden,
+    weight,
+    bias,
+    target,
+    class_weight,
+    opts,
+    *,
+    grad_scale,
+    want_grads,
+    compute_acc,
+    accum_dtype,
+    budget,
+):
+    """One pass over the token chunks.
+
+    ``grad_scale``: None for losses only, else a 0-d tensor (one scale for every row) or an [N]
+    tensor (per-token upstream gradient). ``want_grads``: (hidden, weight, bias) flags.
+    Returns ((loss_rows, z_rows, correct_rows), (dh, dw, db)).
+    """
+    n_rows, n_hidden = hidden.shape
+    n_cols = weight.shape[0]
+    want_dh, want_dw, want_db = want_grads if grad_scale is not None else (False, False, False)
+    compute_grad = want_dh or want_dw or want_db
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+
+    rows = chunk_rows(n_rows, n_cols, hidden.element_size(), budget)
+    single_chunk = rows >= n_rows
+    if (
+        want_dw
+        and not single_chunk
+        and accum_dtype != weight.dtype
+        and not _mixed_matmul_supported(hidden.device.type)
+    ):
+        # The sliced accumulation's temporary takes half of the budget.
+        rows = chunk_rows(n_rows, n_cols, 2 * hidden.element_size(), budget)
+    buffer = hidden.new_empty(rows, n_cols)
+
+    loss_rows, z_rows = torch.empty(n_rows, **f32), torch.empty(n_rows, **f32)
+    correct_rows = torch.empty(n_rows, **f32) if compute_acc else None
+    dh = torch.empty_like(hidden) if want_dh else None
+    dw = None
+    if want_dw:
+        dw = torch.empty(
+            n_cols, n_hidden, dtype=weight.dtype if single_chunk else accum_dtype, device=hidden.device
+        )
+    db = torch.zeros(n_cols, **f32) if want_db else None
+
+    for start in range(0, n_rows, rows):
+        end = min(start + rows, n_rows)
+        h = hidden[start:end]
+        logits = buffer[: end - start]
+        if bias is None:
+            torch.mm(h, weight.t(), out=logits)
+        else:
+            torch.addmm(bias, h, weight.t(), out=logits)
+        launch_cross_entropy(
+            logits,
+            target[start:end],
+            class_weight,
+            opts,
+            loss_rows=loss_rows[start:end],
+            z_rows=z_rows[start:end],
+            correct_rows=correct_rows[start:end] if compute_acc else None,
+            grad=logits if compute_grad else None,
+            grad_scale=grad_scale if grad_scale is None or grad_scale.dim() == 0 else grad_scale[start:end],
+        )
+        if not compute_grad:
+            continue
+        if want_dh:
+            torch.mm(logits, weight, out=dh[start:end])
+        if want_dw:
+            _matmul_into(
+                dw, logits.t(), h, accumulate=start > 0, slice_rows=max(1, buffer.numel() // n_hidden)
+            )
+        if want_db:
+            db += logits.sum(0, dtype=torch.float32)
+
+    # Release the chunk buffer before the accumulator is rounded, so the two never coexist with the copy.
+    buffer = logits = None
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    if db is not None:
+        db = db.to(bias.dtype)
+    return (loss_rows, z_rows, correct_rows), (dh, dw, db)
+
+
+class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, target, bias, class_weight, opts, num_items, accum_dtype, budget, grad_enabled
+    ):
+        needs = ctx.needs_input_grad
+        want = (
+            grad_enabled and needs[0],
+            grad_enabled and needs[1],
+            grad_enabled and bias is not None and needs[3],
+        )
+        scale, n_valid = reduction_scale(target, class_weight, opts, num_items, weight.shape[0])
+        deferred = opts.reduction == "none" and any(want)
+        rows, grads = _sweep(
+            hidden,
+            weight,
+            bias,
+            target,
+            class_weight,
+            opts,
+            grad_scale=None if deferred else scale,
+            want_grads=want,
+            compute_acc=opts.return_token_accuracy,
+            accum_dtype=accum_dtype,
+            budget=budget,
+        )
+        loss, z, acc = reduce_rows(*rows, scale, n_valid, opts)
+        ctx.deferred = deferred
+        ctx.backward_done = False
+        if deferred:
+            ctx.save_for_backward(hidden, weight, target, bias, class_weight)
+            ctx.sweep_args = dict(opts=opts, want_grads=want, accum_dtype=accum_dtype, budget=budget)
+        else:
+            ctx.save_for_backward(*grads)
+        ctx.mark_non_differentiable(*(t for t in (z, acc) if t is not None))
+        return loss, z, acc
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_z, _grad_acc):
+        if ctx.backward_done:
+            raise RuntimeError(
+                "fused_linear_cross_entropy's backward ran twice: the gradients are stored once and scaled in "
+                "place; retain_graph / double backward are not supported (use the reference for that)"
+            )
+        ctx.backward_done = True
+        if ctx.deferred:
+            hidden, weight, target, bias, class_weight = ctx.saved_tensors
+            _, (dh, dw, db) = _sweep(
+                hidden,
+                weight,
+                bias,
+                target,
+                class_weight,
+                grad_scale=grad_loss,
+                compute_acc=False,
+                **ctx.sweep_args,
+            )
+        else:
+            dh, dw, db = ctx.saved_tensors
+            for g in (dh, dw, db):
+                if g is not None:
+                    scale_rows_(g, grad_loss)
+        return dh, dw, None, db, None, None, None, None, None, None
+
+
+def _check_linear(hidden, weight, bias, accum_dtype, memory_budget_bytes):
+    if hidden.dim() != 2:
+        raise ValueError(
+            f"hidden has shape {tuple(hidden.shape)}; expected [N, H]: flatten with .reshape(-1, hidden.shape[-1])"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(
+            f"weight has shape {tuple(weight.shape)}; expected [V, {hidden.shape[1]}] (the lm_head weight, "
+            "as stored by nn.Linear(hidden, vocab))"
+        )
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias has shape {tuple(bias.shape)}; expected [{weight.shape[0]}] or None")
+    for name, t in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if not t.dtype.is_floating_point:
+            raise ValueError(f"{name} has dtype {t.dtype}; expected a floating dtype")
+        if t.dtype != hidden.dtype:
+            raise ValueError(
+                f"{name} is {t.dtype} but hidden is {hidden.dtype}: cast them to one dtype "
+                "(or run under torch.autocast, which casts both)"
+            )
+        if t.device != hidden.device:
+            raise ValueError(f"{name} is on {t.device} but hidden is on {hidden.device}")
+    if not isinstance(accum_dtype, torch.dtype) or accum_dtype not in (weight.dtype, torch.float32):
+        raise ValueError(
+            f"accum_dtype={accum_dtype}: use torch.float32 (default) or the weight's dtype {weight.dtype} "
+            "(less memory, the running dW sum is rounded once per chunk)"
+        )
+    if memory_budget_bytes is not None and (
+        not isinstance(memory_budget_bytes, numbers.Integral) or memory_budget_bytes <= 0
+    ):
+        raise ValueError(
+            f"memory_budget_bytes={memory_budget_bytes!r}: must be a positive int (bytes), or None"
+        )
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    class_weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    accum_dtype: torch.dtype = torch.float32,
+    memory_budget_bytes: int | None = None,
+):
+    """``cross_entropy(hidden @ weight.T + bias, target, ...)`` without materialising the logits.
+
+    Args:
+        hidden: [N, H] final hidden states (flatten batch and sequence).
+        weight: [V, H] lm_head weight (may be tied to the input embedding).
+        target: [N] class indices.
+        bias: [V] or None.
+        class_weight: per-class weights [V] — the ``weight`` argument of ``cross_entropy`` (renamed
+            here because ``weight`` is the lm_head's).
+        ignore_index, label_smoothing, lse_square_scale, softcap, reduction, num_items_in_batch,
+        return_z_loss, return_token_accuracy: as in ``cross_entropy``.
+        accum_dtype: dtype of the dW running sum over chunks: torch.float32 (default) or the
+            weight's dtype (saves V × H × 4 bytes; see the module docstring).
+        memory_budget_bytes: bound on the chunk buffer (default ``DEFAULT_MEMORY_BUDGET_BYTES``).
+
+    Returns:
+        The fp32 loss, or ``CrossEntropyOutput(loss, z_loss, token_accuracy)`` when a return flag is set.
+    """
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    _check_linear(hidden, weight, bias, accum_dtype, memory_budget_bytes)
+    ce_kwargs = dict(
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        reduction=reduction,
+        num_items_in_batch=num_items_in_batch,
+        return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+    )
+    opts = check_options(
+        hidden.shape[0],
+        weight.shape[0],
+        hidden.device,
+        target,
+        class_weight,
+        weight_name="class_weight",
+        **ce_kwargs,
+    )
+    if not use_triton(hidden, weight):
+        return fused_linear_cross_entropy_reference(
+            hidden, weight, target, bias, class_weight=class_weight, **ce_kwargs
+        )
+    with torch.autocast(device_type, enabled=False):
+        loss, z, acc = _FusedLinearCrossEntropyFunction.apply(
+            hidden.contiguous(),
+            weight,
+            target.contiguous(),
+            bias,
+            None if class_weight is None else class_weight.contiguous(),
+            opts,
+            host_count(num_items_in_batch),
+            accum_dtype,
+            memory_budget_bytes or DEFAULT_MEMORY_BUDGET_BYTES,
+            torch.is_grad_enabled(),
+        )
+    return package(loss, z, acc, opts)
+
+
+def fused_linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    class_weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    lse_square_scale: float = 0.0,
+    softcap: float | None = None,
+    reduction: str = "mean",
+    num_items_in_batch: int | torch.Tensor | None = None,
+    return_z_loss: bool = False,
+    return_token_accuracy: bool = False,
+    accum_dtype: torch.dtype = torch.float32,
+    memory_budget_bytes: int | None = None,
+):
+    """Pure PyTorch: ``cross_entropy_reference(F.linear(hidden, weight, bias), target, ...)``.
+
+    Materialises the logits (in the inputs' dtype, as the fused path does); ``accum_dtype`` and
+    ``memory_budget_bytes`` are validated for signature compatibility and have no effect.
+    """
+    _check_linear(hidden, weight, bias, accum_dtype, memory_budget_bytes)
+    return cross_entropy_reference(
+        F.linear(hidden, weight, bias),
+        target,
+        weight=class_weight,
+        ignore_index=ignore_index,
+        label_smoothing=label_smoothing,
+        lse_square_scale=lse_square_scale,
+        softcap=softcap,
+        reduction=reduction,
+        num_items_in_batch=num_items_in_batch,
+        return_z_loss=return_z_loss,
+        return_token_accuracy=return_token_accuracy,
+    )
