@@ -18,6 +18,7 @@ from ligertune.kernels.cross_entropy import CrossEntropyOutput
 from ligertune.kernels.fused_linear_cross_entropy import (
     DEFAULT_MEMORY_BUDGET_BYTES,
     _matmul_into,
+    _mixed_matmul_supported,
     chunk_rows,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
@@ -405,3 +406,13 @@ def test_gpu_extra_memory(accum_dtype):
     else:
         assert extra <= 2**30, f"{extra / 2**30:.2f} GiB above inputs and grads"
     assert extra <= allowed, f"{extra / 2**30:.2f} GiB above inputs and grads"
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_accumulation_runs_in_cublas():
+    """The default fp32 dW accumulation should be cuBLAS's bf16 × bf16 → fp32 addmm. If this
+    torch lacks it, the sliced fallback runs instead: correct, but ~3× the accumulation traffic."""
+    assert _mixed_matmul_supported("cuda"), (
+        f"torch {torch.__version__} has no addmm(out_dtype=float32) with an fp32 accumulator on CUDA: "
+        "FLCE falls back to sliced accumulation (slower); use accum_dtype=torch.bfloat16 or a newer torch"
+    )
