@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -152,13 +151,3 @@ def create_runtime(recipe: Recipe) -> Runtime:
     raise RecipeError(
         [f"parallel.strategy: {strategy} is not implemented yet; use parallel.strategy=none (one device)"]
     )
-
-
-@contextlib.contextmanager
-def runtime_for(recipe: Recipe) -> Iterator[Runtime]:
-    """`create_runtime` as a context manager that always shuts the runtime down."""
-    runtime = create_runtime(recipe)
-    try:
-        yield runtime
-    finally:
-        runtime.shutdown()

@@ -70,6 +70,8 @@ import torch
 from torch import nn
 
 from ligertune.checkpoint import CheckpointManager, atomic_directory, load_checkpoint, restore_rng_state
+from ligertune.data import MicroBatchLoader, build_datasets, load_tokenizer
+from ligertune.data.formats import IGNORE_INDEX
 from ligertune.distributed import Runtime, create_runtime
 from ligertune.metrics import (
     MetricsLogger,
@@ -81,8 +83,6 @@ from ligertune.metrics import (
 )
 from ligertune.models import build_model, check_vocab, prepare_for_training
 from ligertune.recipe import Recipe, RecipeError, TrainingSection, recipe_to_yaml
-
-IGNORE_INDEX = -100
 
 
 class TrainingError(RuntimeError):
@@ -577,9 +577,6 @@ def _train(recipe: Recipe, runtime: Runtime, on_step_end) -> TrainResult:
 
 def _data(recipe: Recipe, runtime: Runtime):
     """Tokenizer, datasets, and the train and validation loaders of this rank."""
-    # Imported here: the data stack (datasets, tokenizers) is heavy and not needed to import this module.
-    from ligertune.data import MicroBatchLoader, build_datasets, load_tokenizer
-
     tokenizer = load_tokenizer(recipe)
     datasets = build_datasets(recipe, tokenizer)
     loader_args = dict(
