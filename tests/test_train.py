@@ -549,10 +549,13 @@ def test_gpu_run_reports_mfu_and_memory(tmp_path, precision):
         assert 0 < records[-1]["mfu"] < 1
     expected_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     assert next(result.model.parameters()).dtype == expected_dtype
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=expected_dtype).cuda()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=expected_dtype).cuda().eval()
+    trained = result.model.eval()
+    for name, tensor in loaded.state_dict().items():  # the weights are bit-identical
+        assert torch.equal(tensor, trained.state_dict()[name]), name
     ids = torch.randint(0, 2048, (1, 32), device="cuda")
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, result.model(ids).logits, rtol=0, atol=0)
+    with torch.no_grad():  # the same math; GPU kernels may pick other algorithms per call
+        torch.testing.assert_close(loaded(ids).logits, trained(ids).logits, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.gpu
