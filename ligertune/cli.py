@@ -262,6 +262,66 @@ def bench(
         raise typer.Exit(2) from None
 
 
+@app.command()
+def compare(
+    recipe: Path = typer.Argument(..., help="Recipe file."),
+    overrides: list[str] | None = typer.Argument(None, help="key=value overrides applied to every arm."),
+    steps: int = typer.Option(20, "--steps", "-n", help="Optimizer steps per arm."),
+    kernels: str | None = typer.Option(
+        None,
+        "--kernels",
+        "-k",
+        help="Comma list of kernels for the 'on' arm, or all (default: the recipe's, all if it enables none).",
+    ),
+    ablate: bool = typer.Option(False, "--ablate", help="Also one arm per kernel, with only that kernel on."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: <run_dir>-compare)."),
+    nproc_per_node: int | None = typer.Option(
+        None,
+        "--nproc-per-node",
+        help="Processes (GPUs) per arm, launched with torchrun (default 1; under torchrun, its count).",
+    ),
+    rtol: float | None = typer.Option(
+        None, "--rtol", help="Per-step relative loss tolerance (default: fp32 1e-4, bf16 2e-2)."
+    ),
+) -> None:
+    """Run the recipe with kernels off and on (same seed, weights and data): speed, memory, loss parity.
+
+    Each arm runs in its own process; writes compare.json, compare.md and compare.png into --out
+    and prints a table. Exit status: 0 parity (or an arm out of memory), 1 the losses diverged or
+    an arm failed, 2 bad recipe or options. See docs/compare.md.
+
+    [bold]Examples[/]
+
+      ligertune compare recipes/quickstart.yaml --steps 10
+
+      ligertune compare recipes/llama3.2-1b-alpaca-bench.yaml --kernels rms_norm,rope,swiglu --ablate
+
+      ligertune compare recipes/llama3-8b-alpaca-bench.yaml --nproc-per-node 4 parallel.strategy=fsdp
+    """
+    from rich.markup import escape
+
+    from ligertune.compare import CompareError, compare_command
+
+    try:
+        status = compare_command(
+            recipe,
+            overrides or [],
+            console,
+            steps=steps,
+            kernels=kernels,
+            ablate=ablate,
+            out=out,
+            nproc_per_node=nproc_per_node,
+            rtol=rtol,
+        )
+    except RecipeError as e:
+        fail(e)
+    except CompareError as e:
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        raise typer.Exit(2) from None
+    if status:
+        raise typer.Exit(status)
+
 
 def main() -> None:
     try:
