@@ -228,6 +228,9 @@ class LoggingSection(Section):
 class CheckpointSection(Section):
     every_steps: int | None = Field(None, gt=0, description="Save a resumable checkpoint every N steps (and at the end).")
     keep_last: int = Field(2, gt=0, description="Resumable checkpoints to keep; older ones are deleted.")
+    save_final: bool = Field(
+        True, description="Save a resumable checkpoint when the run ends (a stop by SIGTERM/SIGINT always saves)."
+    )
     resume: str = Field("auto", description="auto (newest complete checkpoint in output_dir), none, or a checkpoint path.")
     export_hf: bool = Field(True, description="Write a Hugging Face model (safetensors + config + tokenizer) at the end.")
 

@@ -344,6 +344,17 @@ def test_resume_choices(tmp_path):
         train(tiny_recipe(tmp_path, "training.max_steps=2", f"checkpoint.resume={broken}"))
 
 
+def test_save_final_false_leaves_no_checkpoint_but_a_signal_still_saves(tmp_path):
+    run = train(tiny_recipe(tmp_path / "a", "training.max_steps=3", "checkpoint.save_final=false"))
+    assert run.checkpoint is None
+    assert not list((tmp_path / "a").glob("checkpoints/step-*"))
+    stopped = train(
+        tiny_recipe(tmp_path / "b", "training.max_steps=3", "checkpoint.save_final=false"),
+        on_step_end=lambda record: record.step == 2,
+    )
+    assert stopped.steps == 2 and stopped.checkpoint is None, "a hook stop is not a preemption: no save"
+
+
 def test_resume_warns_when_the_data_order_changed():
     saved = {"seed": 1, "micro_batch_size": 2, "world_size": 1, "data": {"path": "a"}}
     assert _position_warning(saved, dict(saved)) is None
