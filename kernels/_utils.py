@@ -57,6 +57,16 @@ def sm_count(device: torch.device) -> int:
     return 4
 
 
-def needs_int64(*tensors: torch.Tensor) -> bool:
-    """Whether any flat offset into these tensors can pass 2**31 - 1 (index math must be int64)."""
-    return any(t.numel() >= 2**31 - 1 for t in tensors)
+def max_offset(t: torch.Tensor) -> int:
+    """Largest element offset from ``t.data_ptr()`` that indexing ``t`` through its strides reaches."""
+    return sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True)) if t.numel() else 0
+
+
+def offsets_need_int64(*tensors: torch.Tensor | None) -> bool:
+    """Whether a kernel indexing these tensors through their strides needs int64 offsets.
+
+    Stride-aware, unlike counting elements: a strided view of a large buffer (every other row of
+    it, one head of a fused projection) can reach offsets past 2**31 - 1 while holding few
+    elements. ``None`` entries (optional tensors) are skipped.
+    """
+    return any(t is not None and max_offset(t) >= 2**31 - 1 for t in tensors)

@@ -37,12 +37,18 @@ i.e. read x, write y; read x and dy, write dx):
   registers: every input element is loaded once, the reductions are in-register, and no row is
   re-read. Small hidden sizes (q_norm/k_norm over head_dim 128) get many rows per block.
 * Forward: one block per program (plenty of programs to hide latency).
-* Backward: a persistent grid (as many programs as fit on the device at once, read from the
-  compiled kernel's register count) striding over row blocks. Each program accumulates its share
-  of ``dw`` (and ``db``) in fp32 registers and writes one partial row; a single ``sum(0)`` over
-  the ``[n_programs, H]`` partials finishes the reduction. No atomics. The partial buffer costs
-  little: at 16384×4096 bf16 the kernel compiles to ~116 registers × 256 threads, so 2 programs
-  per SM, 264 × 4096 fp32 = 4.3 MB written and read back (8.7 MB), ≈ 2% of the backward's 403 MB.
+* Backward: a persistent grid (as many programs as fit on the device at once, from the compiled
+  kernel's registers, shared memory and threads) striding over row blocks. Each program
+  accumulates its share of ``dw`` (and ``db``) in fp32 registers and writes one partial row; a
+  single ``sum(0)`` over the ``[n_programs, H]`` partials finishes the reduction. No atomics.
+  The loop is software-pipelined (``num_stages=2``: the next block's x and dy stream into
+  shared memory while the current block is reduced). v1 was not, and with 2 programs of 256
+  threads per SM an SM stopped loading during every reduction: 40 % of speed of light at H 4096.
+  Each thread holds 8 elements per row tensor (~64 registers on sm_90), so an SM holds 32 warps.
+  The partials cost little: at 16384×4096, 264 × 4096 fp32 = 4.3 MB written and read back,
+  ≈ 2 % of the backward's 403 MB.
+* Launch parameters come from `_default_config`; the internal launchers take ``config=`` (a
+  `_RowNormConfig`) so ``scripts/tune_kernels.py`` can sweep them on a GPU.
 * rstd (and mean for LayerNorm) are saved from the forward as ``[rows]`` fp32.
 * Optional in-place ``dx`` written over ``dy``'s buffer (saves an allocation). Only safe when
   nothing else reads that ``dy`` afterwards; it falls back to a fresh buffer when ``dy`` is not a
@@ -52,6 +58,7 @@ i.e. read x, write y; read x and dy, write dx):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,17 +66,16 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ._utils import INTERPRET, MAX_FUSED_SIZE, next_power_of_2, num_warps_for, sm_count, use_triton
+from ._utils import INTERPRET, MAX_FUSED_SIZE, next_power_of_2, offsets_need_int64, sm_count, use_triton
 
 CASTING_MODES = ("llama", "gemma")
 
-# Elements per program block. On a GPU 4096 keeps ~16 fp32 values per thread per live tensor at
-# 8 warps, leaving room for x, dy, the dw accumulator and temporaries without spilling; rows wider
-# than that get one row per block. The interpreter pays per program and per loop iteration, not
-# per element, so it takes bigger blocks.
-_GPU_BLOCK_ELEMS = 4096
+# Smallest block (elements) a program handles: rows narrower than this are grouped into one block
+# (32 rows of head_dim 64, 16 of 128), wider rows get one row per block. The interpreter pays per
+# program and per loop iteration, not per element, so it takes bigger blocks.
+_GPU_BLOCK_ELEMS = 2048
 _INTERPRET_BLOCK_ELEMS = 8192
-# 32-bit registers per SM on every NVIDIA GPU since Maxwell (torch does not report it).
+# 32-bit registers per SM on every NVIDIA GPU since Maxwell (used if torch does not report it).
 _REGISTERS_PER_SM = 65536
 
 
@@ -185,6 +191,7 @@ def _row_norm_bwd_kernel(
     INT64: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -195,7 +202,9 @@ def _row_norm_bwd_kernel(
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
-    for block in range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0)):
+    # NUM_STAGES > 1 lets the compiler prefetch the next block's x and dy (through shared memory)
+    # while this one is reduced: without it a program stops loading during every reduction.
+    for block in tl.range(pid, tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES):
         rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
@@ -241,69 +250,94 @@ def _row_norm_bwd_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Launch helpers (shared with layer_norm.py)
+# Launch configuration and helpers (shared with layer_norm.py)
 # --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _LaunchConfig:
-    block_m: int  # rows per block
-    block_n: int  # next power of two of the hidden size
+class _RowNormConfig:
+    """How a row-norm kernel is launched; its block is ``[block_m, next_pow2(H)]`` elements.
+
+    * ``block_m``: rows per block (a power of two; capped at the row count when launched).
+    * ``num_warps``: warps per program.
+    * ``num_stages`` (backward only): software-pipelining depth of the persistent loop over
+      blocks. 2 loads the next block's x and dy into shared memory while the current block is
+      reduced; 1 loads only after the previous block is done.
+    * ``programs_per_sm`` (backward only): persistent programs per SM; 0 means as many as can be
+      resident at once (from the compiled kernel's registers, shared memory and threads).
+
+    `_default_config` picks one per hidden size. The internal launchers take ``config=`` so that
+    ``scripts/tune_kernels.py`` can time others without touching the public API.
+    """
+
+    block_m: int
     num_warps: int
+    num_stages: int = 1
+    programs_per_sm: int = 0
 
 
-def _launch_config(n_rows: int, n_cols: int, device: torch.device) -> _LaunchConfig:
+def _block_n(n_cols: int) -> int:
     block_n = next_power_of_2(n_cols)
     if block_n > MAX_FUSED_SIZE:
         raise ValueError(
             f"hidden size {n_cols} is wider than the {MAX_FUSED_SIZE} elements a row-norm kernel keeps in "
             "registers; use the PyTorch module for this layer (disable kernels.rms_norm/layer_norm)"
         )
-    budget = _GPU_BLOCK_ELEMS if device.type == "cuda" else _INTERPRET_BLOCK_ELEMS
-    block_m = max(1, min(budget // block_n, next_power_of_2(max(n_rows, 1))))
-    return _LaunchConfig(block_m, block_n, num_warps_for(block_m * block_n))
+    return block_n
 
 
+@functools.lru_cache(maxsize=256)
+def _default_config(backward: bool, n_cols: int, device_type: str) -> _RowNormConfig:
+    """The launch configuration used unless a caller passes one.
+
+    GPU: blocks of at least `_GPU_BLOCK_ELEMS` elements (whole rows; several rows per block for
+    head_dim-sized norms). The forward gives each thread 16 elements per row-sized tensor (two
+    16-byte bf16 loads; ~32 registers on sm_90, so occupancy is not the limit). The backward
+    gives each thread 8: compiled for sm_90 it then needs ~64 registers instead of ~120 at 16,
+    which doubles the warps an SM holds (32 per SM at every hidden size), and its loop is
+    pipelined two deep (`_RowNormConfig.num_stages`), so loads are always in flight.
+    Interpreter: it pays per program and loop iteration, not per element, so blocks are large.
+    """
+    block_n = _block_n(n_cols)
+    if device_type != "cuda":
+        return _RowNormConfig(block_m=max(1, _INTERPRET_BLOCK_ELEMS // block_n), num_warps=4)
+    block_m = max(1, _GPU_BLOCK_ELEMS // block_n)
+    elems_per_thread = 8 if backward else 16
+    num_warps = min(32, max(4, block_m * block_n // (32 * elems_per_thread)))
+    return _RowNormConfig(block_m, num_warps, num_stages=2 if backward else 1)
+
+
+# Persistent programs per SM, per compiled backward specialisation (read by a GPU test).
 _programs_per_sm: dict[tuple, int] = {}
 
 
-def _persistent_programs(kernel, args: tuple, flags: dict, device: torch.device) -> int:
-    """Size of a persistent grid: as many programs as the device can hold resident at once.
+def _resident_programs_per_sm(spec_args: tuple, flags: dict, device: torch.device) -> int:
+    """How many backward programs of this specialisation one SM holds at once.
 
-    Occupancy comes from the compiled kernel's register count and the SM's thread limit (the
-    method of Triton's fused-softmax tutorial); it is computed once per specialisation. On the
-    interpreter: one program per stand-in SM, so CPU tests loop several times per program.
+    The method of Triton's fused-softmax tutorial: compile (cached by Triton), then divide the
+    SM's registers (allocated per thread in steps of 8), shared memory (the pipeline's buffers)
+    and thread slots by what one program uses. ``spec_args`` carry dtypes in place of the
+    partial-sum buffers, which do not exist before the grid is known.
     """
-    if device.type != "cuda":
-        return sm_count(device)
-    key = (device, tuple(flags.items()), tuple(getattr(a, "dtype", a is None) for a in args))
-    per_sm = _programs_per_sm.get(key)
-    if per_sm is None:
-        compiled = kernel.warmup(*args, grid=(1,), **flags)
-        compiled._init_handles()
-        threads = compiled.metadata.num_warps * 32
-        max_threads = torch.cuda.get_device_properties(device).max_threads_per_multi_processor
-        per_sm = max(1, min(max_threads // threads, _REGISTERS_PER_SM // (max(compiled.n_regs, 1) * threads)))
-        _programs_per_sm[key] = per_sm
-    return sm_count(device) * per_sm
+    compiled = _row_norm_bwd_kernel.warmup(*spec_args, grid=(1,), **flags)
+    compiled._init_handles()
+    props = torch.cuda.get_device_properties(device)
+    threads = compiled.metadata.num_warps * 32
+    regs = -(-max(compiled.n_regs, 1) // 8) * 8
+    fits = [
+        props.max_threads_per_multi_processor // threads,
+        getattr(props, "regs_per_multiprocessor", _REGISTERS_PER_SM) // (regs * threads),
+    ]
+    shared, shared_per_sm = compiled.metadata.shared, getattr(props, "shared_memory_per_multiprocessor", 0)
+    if shared and shared_per_sm:
+        fits.append(shared_per_sm // shared)
+    return max(1, min(fits))
 
 
 def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
     """View `t` as [rows, n_cols] with unit column stride (copies only when no such view exists)."""
     t2d = t.reshape(-1, n_cols)
     return t2d if t2d.stride(-1) == 1 else t2d.contiguous()
-
-
-def _offsets_need_int64(*tensors_2d: torch.Tensor | None) -> bool:
-    """Whether the largest element offset of any [rows, H] view reaches 2**31 - 1.
-
-    Stride-aware (unlike counting elements): a row-strided view of a large buffer can need int64
-    offsets while holding few elements.
-    """
-    return any(
-        t is not None and t.numel() > 0 and (t.shape[0] - 1) * t.stride(0) + t.shape[1] >= 2**31 - 1
-        for t in tensors_2d
-    )
 
 
 def _check_triton_dtype(name: str, t: torch.Tensor | None) -> None:
@@ -324,6 +358,7 @@ def _row_norm_forward(
     center: bool,
     llama_cast: bool,
     out_dtype: torch.dtype,
+    config: _RowNormConfig | None = None,
 ):
     """Launch the forward kernel on [..., H] inputs.
 
@@ -334,45 +369,33 @@ def _row_norm_forward(
     for name, t in (("x", x), ("residual", residual), ("weight", weight), ("bias", bias)):
         _check_triton_dtype(name, t)
     n_cols = x.shape[-1]
+    block_n = _block_n(n_cols)
     x2d = _as_rows(x, n_cols)
     res2d = _as_rows(residual, n_cols) if residual is not None else None
     n_rows = x2d.shape[0]
-    y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
-    s = torch.empty_like(y, dtype=x.dtype) if residual is not None else None
+    # Outputs are allocated in x's shape (contiguous, row stride H): no view on the way out.
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else None
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     mean = torch.empty(n_rows, dtype=torch.float32, device=x.device) if center else None
     if n_rows > 0:
-        cfg = _launch_config(n_rows, n_cols, x.device)
-        _row_norm_fwd_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
-            x2d,
-            res2d,
-            s,
-            y,
+        cfg = config or _default_config(False, n_cols, x.device.type)
+        block_m = min(cfg.block_m, next_power_of_2(n_rows))
+        _row_norm_fwd_kernel[(triton.cdiv(n_rows, block_m),)](
+            x2d, res2d, s, y,
             weight.contiguous() if weight is not None else None,
             bias.contiguous() if bias is not None else None,
-            mean,
-            rstd,
-            x2d.stride(0),
-            res2d.stride(0) if res2d is not None else 0,
-            n_cols,
-            n_cols,
-            n_rows,
-            n_cols,
-            eps,
-            offset,
-            CENTER=center,
-            HAS_RESIDUAL=residual is not None,
-            HAS_WEIGHT=weight is not None,
-            HAS_BIAS=bias is not None,
-            LLAMA_CAST=llama_cast,
-            INT64=_offsets_need_int64(x2d, res2d, y),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
+            mean, rstd,
+            x2d.stride(0), res2d.stride(0) if res2d is not None else 0, n_cols, n_cols,
+            n_rows, n_cols, eps, offset,
+            CENTER=center, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None, LLAMA_CAST=llama_cast,
+            INT64=offsets_need_int64(x2d, res2d, y),
+            BLOCK_M=block_m, BLOCK_N=block_n,
             num_warps=cfg.num_warps,
-        )
-    x_saved = s if s is not None else x2d
-    y = y.view(x.shape)
-    return y, (s.view(x.shape) if s is not None else None), x_saved, mean, rstd
+        )  # fmt: skip
+    x_saved = s.view(n_rows, n_cols) if s is not None else x2d
+    return y, s, x_saved, mean, rstd
 
 
 def _row_norm_backward(
@@ -387,6 +410,7 @@ def _row_norm_backward(
     compute_db: bool,
     dres: torch.Tensor | None = None,
     in_place: bool = False,
+    config: _RowNormConfig | None = None,
 ):
     """Launch the backward kernel. Returns ``(dx [rows, H], dw or None, db or None)``: ``dw`` in
     the weight's dtype, ``db`` in fp32 (the caller knows the bias dtype).
@@ -407,40 +431,42 @@ def _row_norm_backward(
         db = torch.zeros(n_cols, dtype=torch.float32, device=x2d.device) if compute_db else None
         return dx, dw, db
 
-    cfg = _launch_config(n_rows, n_cols, x2d.device)
+    device = x2d.device
+    cfg = config or _default_config(True, n_cols, device.type)
+    block_m = min(cfg.block_m, next_power_of_2(n_rows))
     weight = weight.contiguous() if weight is not None else None
-
-    def args(dw_partial, db_partial):
-        return (
-            dy2d, x2d, weight, mean, rstd, dres2d, dx, dw_partial, db_partial,
-            dy2d.stride(0), x2d.stride(0), dres2d.stride(0) if dres2d is not None else 0, dx.stride(0),
-            n_rows, n_cols, offset,
-        )  # fmt: skip
-
     flags = dict(
-        CENTER=mean is not None,
-        HAS_WEIGHT=weight is not None,
-        HAS_DRES=dres is not None,
-        COMPUTE_DW=compute_dw,
-        COMPUTE_DB=compute_db,
-        LLAMA_CAST=llama_cast,
-        INT64=_offsets_need_int64(dy2d, x2d, dres2d, dx),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
-    )
-    # The grid must be known to size the partial buffers; only their dtype matters to compile
-    # (Triton's warmup takes a torch dtype in place of a tensor).
-    partial_spec = (torch.float32 if compute_dw else None, torch.float32 if compute_db else None)
-    n_programs = min(
-        triton.cdiv(n_rows, cfg.block_m),
-        _persistent_programs(_row_norm_bwd_kernel, args(*partial_spec), flags, x2d.device),
-    )
+        CENTER=mean is not None, HAS_WEIGHT=weight is not None, HAS_DRES=dres is not None,
+        COMPUTE_DW=compute_dw, COMPUTE_DB=compute_db, LLAMA_CAST=llama_cast,
+        INT64=offsets_need_int64(dy2d, x2d, dres2d, dx),
+        BLOCK_M=block_m, BLOCK_N=_block_n(n_cols), NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
+    )  # fmt: skip
+    tensors = (dy2d, x2d, weight, mean, rstd, dres2d, dx)
+    scalars = (
+        dy2d.stride(0), x2d.stride(0), dres2d.stride(0) if dres2d is not None else 0, dx.stride(0),
+        n_rows, n_cols, offset,
+    )  # fmt: skip
+
+    per_sm = cfg.programs_per_sm
+    if per_sm <= 0:
+        if device.type != "cuda":
+            per_sm = 1  # interpreter: one program per stand-in SM, so CPU tests loop
+        else:
+            key = (device, *flags.values(), *(t.dtype if t is not None else None for t in tensors))
+            per_sm = _programs_per_sm.get(key)
+            if per_sm is None:
+                # Only the partial buffers' dtype matters to compile (Triton's warmup takes a
+                # torch dtype in place of a tensor).
+                partial_spec = tuple(torch.float32 if needed else None for needed in (compute_dw, compute_db))
+                per_sm = _resident_programs_per_sm((*tensors, *partial_spec, *scalars), flags, device)
+                _programs_per_sm[key] = per_sm
+    n_programs = min(triton.cdiv(n_rows, block_m), sm_count(device) * per_sm)
     dw_partial, db_partial = (
-        torch.empty((n_programs, n_cols), dtype=torch.float32, device=x2d.device) if needed else None
+        torch.empty((n_programs, n_cols), dtype=torch.float32, device=device) if needed else None
         for needed in (compute_dw, compute_db)
     )
-    _row_norm_bwd_kernel[(n_programs,)](*args(dw_partial, db_partial), **flags)
+    _row_norm_bwd_kernel[(n_programs,)](*tensors, dw_partial, db_partial, *scalars, **flags)
+    # fp32 partial rows → one fp32 sum, then one rounding to the weight's dtype (no-op for fp32).
     dw = dw_partial.sum(0).to(weight.dtype) if compute_dw else None
     db = db_partial.sum(0) if compute_db else None
     return dx, dw, db

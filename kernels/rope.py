@@ -24,36 +24,55 @@ that is ``sin(−θ)``: the backward pass is the inverse rotation, and the kerne
 with a compile-time flag that swaps and negates the sine halves. cos/sin get no gradient (they
 come from a buffer, ``inv_freq``, in every HF model); asking for one is an error.
 
-Design (memory bound: it reads q, k, cos, sin once and writes q and k once). One program per
-``(batch, position)``: it loads that position's cos/sin once and applies them to every q head
-and every k head (GQA: different head counts, one launch). In HF's layout q is
-``view(B, S, H, D).transpose(1, 2)``, so a position's heads are adjacent in memory and each
-program reads and writes one contiguous run of ``H·D`` elements. Any strides are accepted
-(transposed views, slices of a fused qkv projection, ``[B, S, H, D]`` with ``unsqueeze_dim=2``)
-and used as they are, without a copy; outputs keep the input's memory layout. The arithmetic is
-fp32 whatever the storage dtype; outputs have q's and k's dtypes.
+Design (memory bound: it reads q, k, cos, sin once and writes q and k once). Each program
+rotates one tile ``[BLOCK_S positions, BLOCK_H heads, half-dim]`` of q or of k (GQA: different
+head counts, one launch); the programs of a position block run next to each other, so that
+block's cos/sin rows, read by each of them, come from L2 after the first. Any strides are
+accepted (HF's ``view(B, S, H, D).transpose(1, 2)``, contiguous ``[B, H, S, D]``, slices of a
+fused qkv projection, ``[B, S, H, D]`` with ``unsqueeze_dim=2``) and used as they are, without a
+copy; outputs keep the input's memory layout. The arithmetic is fp32 whatever the storage dtype;
+outputs have q's and k's dtypes.
+
+The tile follows the memory layout (`_default_config`): where a position's heads are adjacent
+(HF's q, ``[B, S, H, D]`` in memory) a tile is all heads of one position, one contiguous run of
+``H·D`` elements; where a head's positions are adjacent (contiguous ``[B, H, S, D]``, which is
+how gradients arriving from attention or a benchmark may be laid out) a tile is many positions
+of one head, again one contiguous run. v1 used the first shape for both and its backward on
+``[B, H, S, D]`` gradients ran at a third of the forward's speed: every program then touched 40
+runs of 256 B, each 512 KiB apart.
+
+``in_place=True`` writes the backward's dq/dk over the incoming gradients (no allocation; only
+for callers whose gradients nobody else reads, e.g. an attention block's q/k). The forward is
+never in place: its q/k are views into projection outputs, and autograd's bookkeeping for an
+in-place change to a view (CopySlices) would copy the whole projection gradient in backward,
+costing more traffic than the 160 MiB it saves (at the benchmark shape) is worth.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import next_power_of_2, use_triton
+from ._utils import next_power_of_2, offsets_need_int64, use_triton
 
-# Elements of one (heads × half-dim) tile a program holds per tensor. 32 heads × 64 = 2048 keeps
-# Llama-3's q in one tile at 16 fp32 values per thread with 4 warps; more heads loop over tiles.
+# Elements of one tile per half (per x₁ or x₂): 2048 = 32 heads × 64 or 32 positions × 64 at
+# head_dim 128, 16 fp32 values per thread per half with 4 warps.
 _MAX_TILE = 2048
 _NUM_WARPS = 4
 
 
 @triton.jit
-def _rotate_heads(
+def _rotate_tile(
     x_ptr,
     out_ptr,
     b,
-    s,
+    pos,
+    pos_mask,
+    head0,
     x_sb,
     x_sh,
     x_ss,
@@ -72,28 +91,27 @@ def _rotate_heads(
     BLOCK_HALF: tl.constexpr,
     PASS: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    COPY_PASS: tl.constexpr,
     INT64: tl.constexpr,
 ):
-    """Rotate every head of one (batch, position) of x into out with the given cos/sin halves."""
-    x_base = x_ptr + b * x_sb + s * x_ss
-    o_base = out_ptr + b * o_sb + s * o_ss
-    d = tl.arange(0, BLOCK_HALF)[None, :]
-    for h0 in tl.static_range(0, N_HEADS, BLOCK_H):
-        h = h0 + tl.arange(0, BLOCK_H)[:, None]
-        if INT64:
-            h = h.to(tl.int64)
-        x_row = x_base + h * x_sh
-        o_row = o_base + h * o_sh
-        mask = (h < N_HEADS) & (d < HALF)
-        x1 = tl.load(x_row + d * x_sd, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_row + (d + HALF) * x_sd, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o_row + d * o_sd, (c1 * x1 - s1 * x2).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(o_row + (d + HALF) * o_sd, (c2 * x2 + s2 * x1).to(out_ptr.dtype.element_ty), mask=mask)
-        if PASS > 0:
-            p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, :]
-            pass_mask = (h < N_HEADS) & (p < 2 * HALF + PASS)
-            tail = tl.load(x_row + p * x_sd, mask=pass_mask, other=0.0)
-            tl.store(o_row + p * o_sd, tail.to(out_ptr.dtype.element_ty), mask=pass_mask)
+    """Rotate heads ``head0 .. head0 + BLOCK_H`` of x at positions `pos` (``[BLOCK_S, 1, 1]``) into out."""
+    h = head0 + tl.arange(0, BLOCK_H)[None, :, None]
+    if INT64:
+        h = h.to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)[None, None, :]
+    row_mask = pos_mask & (h < N_HEADS)
+    mask = row_mask & (d < HALF)
+    x_row = x_ptr + b * x_sb + pos * x_ss + h * x_sh
+    o_row = out_ptr + b * o_sb + pos * o_ss + h * o_sh
+    x1 = tl.load(x_row + d * x_sd, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + (d + HALF) * x_sd, mask=mask, other=0.0).to(tl.float32)
+    tl.store(o_row + d * o_sd, (c1 * x1 - s1 * x2).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(o_row + (d + HALF) * o_sd, (c2 * x2 + s2 * x1).to(out_ptr.dtype.element_ty), mask=mask)
+    if COPY_PASS:  # partial rotary: the tail passes through (already in place when out is x)
+        p = 2 * HALF + tl.arange(0, BLOCK_PASS)[None, None, :]
+        pass_mask = row_mask & (p < 2 * HALF + PASS)
+        tail = tl.load(x_row + p * x_sd, mask=pass_mask, other=0.0)
+        tl.store(o_row + p * o_sd, tail.to(out_ptr.dtype.element_ty), mask=pass_mask)
 
 
 @triton.jit
@@ -105,6 +123,7 @@ def _rope_kernel(
     cos_ptr,
     sin_ptr,
     seq_len,
+    s_blocks,
     q_sb,
     q_sh,
     q_ss,
@@ -129,48 +148,87 @@ def _rope_kernel(
     sin_sd,
     N_Q_HEADS: tl.constexpr,
     N_K_HEADS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
+    Q_TILES: tl.constexpr,
+    K_TILES: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     PASS: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
+    COPY_PASS: tl.constexpr,
     BACKWARD: tl.constexpr,
     INT64: tl.constexpr,
 ):
+    # Program order: (batch, position block) outer, head tile inner, so the tiles sharing a
+    # position block's cos/sin run together.
     pid = tl.program_id(0)
+    tile = pid % (Q_TILES + K_TILES)
+    pos_block = pid // (Q_TILES + K_TILES)
+    b = pos_block // s_blocks
+    pos = (pos_block % s_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
+    pos_mask = pos < seq_len
     if INT64:
-        pid = pid.to(tl.int64)
-    b = pid // seq_len
-    s = pid % seq_len
+        b = b.to(tl.int64)
+        pos = pos.to(tl.int64)
 
-    # cos/sin of this position, loaded once for all heads of q and k. A batch of 1 broadcasts
+    # cos/sin of these positions, loaded once for all heads of the tile. A batch of 1 broadcasts
     # through a zero batch stride.
-    d = tl.arange(0, BLOCK_HALF)
-    d_mask = d < HALF
-    cos_row = cos_ptr + b * cos_sb + s * cos_ss
-    sin_row = sin_ptr + b * sin_sb + s * sin_ss
-    c1 = tl.load(cos_row + d * cos_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    c2 = tl.load(cos_row + (d + HALF) * cos_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s1 = tl.load(sin_row + d * sin_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
-    s2 = tl.load(sin_row + (d + HALF) * sin_sd, mask=d_mask, other=0.0).to(tl.float32)[None, :]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    cs_mask = pos_mask[:, None] & (d < HALF)
+    cos_row = cos_ptr + b * cos_sb + pos[:, None] * cos_ss
+    sin_row = sin_ptr + b * sin_sb + pos[:, None] * sin_ss
+    c1 = tl.load(cos_row + d * cos_sd, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
+    c2 = tl.load(cos_row + (d + HALF) * cos_sd, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
+    s1 = tl.load(sin_row + d * sin_sd, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
+    s2 = tl.load(sin_row + (d + HALF) * sin_sd, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
     if BACKWARD:
         # Transposed map (module docstring): (s1, s2) -> (-s2, -s1).
         s1, s2 = -s2, -s1
 
-    _rotate_heads(
-        q_ptr, q_out_ptr, b, s, q_sb, q_sh, q_ss, q_sd, qo_sb, qo_sh, qo_ss, qo_sd,
-        c1, c2, s1, s2, N_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF, PASS, BLOCK_PASS, INT64,
-    )  # fmt: skip
-    _rotate_heads(
-        k_ptr, k_out_ptr, b, s, k_sb, k_sh, k_ss, k_sd, ko_sb, ko_sh, ko_ss, ko_sd,
-        c1, c2, s1, s2, N_K_HEADS, BLOCK_HK, HALF, BLOCK_HALF, PASS, BLOCK_PASS, INT64,
-    )  # fmt: skip
+    pos3, pos_mask3 = pos[:, None, None], pos_mask[:, None, None]
+    if tile < Q_TILES:
+        _rotate_tile(
+            q_ptr, q_out_ptr, b, pos3, pos_mask3, tile * BLOCK_HQ,
+            q_sb, q_sh, q_ss, q_sd, qo_sb, qo_sh, qo_ss, qo_sd, c1, c2, s1, s2,
+            N_Q_HEADS, BLOCK_HQ, HALF, BLOCK_HALF, PASS, BLOCK_PASS, COPY_PASS, INT64,
+        )  # fmt: skip
+    else:
+        _rotate_tile(
+            k_ptr, k_out_ptr, b, pos3, pos_mask3, (tile - Q_TILES) * BLOCK_HK,
+            k_sb, k_sh, k_ss, k_sd, ko_sb, ko_sh, ko_ss, ko_sd, c1, c2, s1, s2,
+            N_K_HEADS, BLOCK_HK, HALF, BLOCK_HALF, PASS, BLOCK_PASS, COPY_PASS, INT64,
+        )  # fmt: skip
 
 
-def _max_offset(t: torch.Tensor) -> int:
-    """Largest element offset from ``t.data_ptr()`` that indexing ``t`` through its strides reaches."""
-    return sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True) if n > 0)
+@dataclass(frozen=True)
+class _RopeConfig:
+    """How `_rope_kernel` is launched: tiles of ``block_s`` positions × ``block_h`` heads (capped
+    per tensor at its head count) and ``num_warps`` warps. `_default_config` picks one; the
+    launcher takes ``config=`` so that ``scripts/tune_kernels.py`` can time others."""
+
+    block_s: int
+    block_h: int
+    num_warps: int = _NUM_WARPS
+
+
+def _default_config(x: torch.Tensor, heads_dim: int, half: int) -> _RopeConfig:
+    """A `_MAX_TILE`-element tile grown first along the axis that is adjacent in memory.
+
+    Position-major memory (a position's heads adjacent, HF's q): all heads of one position, up to
+    the budget; each tile is one contiguous run. Head-major (a head's positions adjacent,
+    contiguous ``[B, H, S, D]``): runs of positions of a few heads, at most half the budget in
+    positions, because the cos/sin tile grows with the positions (at 32 positions it is as
+    large as the q tile: 94 registers per thread on sm_90, 68 at 16 positions × 2 heads).
+    """
+    budget = max(1, _MAX_TILE // next_power_of_2(half))
+    n_heads, seq_len = x.shape[heads_dim], x.shape[3 - heads_dim]
+    if x.stride(heads_dim) <= x.stride(3 - heads_dim):
+        block_h = min(next_power_of_2(n_heads), budget)
+        return _RopeConfig(block_s=min(budget // block_h, next_power_of_2(seq_len)), block_h=block_h)
+    block_s = min(next_power_of_2(seq_len), max(1, budget // 2))
+    return _RopeConfig(block_s=block_s, block_h=max(1, budget // block_s))
 
 
 def _canonical_strides(t: torch.Tensor, heads_dim: int) -> tuple[int, int, int, int]:
@@ -191,48 +249,70 @@ def _rope_launch(
     sin: torch.Tensor,
     heads_dim: int,
     backward: bool,
+    in_place: bool = False,
+    config: _RopeConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k (or, with `backward`, their gradients) into new tensors of the same layout."""
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    """Rotate q and k (or, with `backward`, their gradients) by cos/sin. Results go to new
+    tensors of the same layout, or over q and k themselves with `in_place`."""
+    q_out, k_out = (q, k) if in_place else (torch.empty_like(q), torch.empty_like(k))
     batch, seq_len, head_dim = q.shape[0], q.shape[3 - heads_dim], q.shape[3]
     n_q_heads, n_k_heads = q.shape[heads_dim], k.shape[heads_dim]
     if batch * seq_len == 0:
         return q_out, k_out
     half = cos.shape[-1] // 2
     n_pass = head_dim - 2 * half
-    block_half = next_power_of_2(half)
-    max_heads = max(1, _MAX_TILE // block_half)
-    block_hq = min(next_power_of_2(n_q_heads), max_heads)
-    block_hk = min(next_power_of_2(n_k_heads), max_heads)
-    int64 = max(_max_offset(t) for t in (q, k, q_out, k_out, cos, sin)) >= 2**31 - 1
-    _rope_kernel[(batch * seq_len,)](
-        q, k, q_out, k_out, cos, sin, seq_len,
+    cfg = config or _default_config(q, heads_dim, half)
+    block_s = min(cfg.block_s, next_power_of_2(seq_len))
+    block_hq = min(cfg.block_h, next_power_of_2(n_q_heads))
+    block_hk = min(cfg.block_h, next_power_of_2(n_k_heads))
+    q_tiles, k_tiles = triton.cdiv(n_q_heads, block_hq), triton.cdiv(n_k_heads, block_hk)
+    s_blocks = triton.cdiv(seq_len, block_s)
+    _rope_kernel[(batch * s_blocks * (q_tiles + k_tiles),)](
+        q, k, q_out, k_out, cos, sin, seq_len, s_blocks,
         *_canonical_strides(q, heads_dim), *_canonical_strides(k, heads_dim),
         *_canonical_strides(q_out, heads_dim), *_canonical_strides(k_out, heads_dim),
         *_cos_strides(cos), *_cos_strides(sin),
-        N_Q_HEADS=n_q_heads, N_K_HEADS=n_k_heads, BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
-        HALF=half, BLOCK_HALF=block_half,
-        PASS=n_pass, BLOCK_PASS=next_power_of_2(max(n_pass, 1)),
-        BACKWARD=backward, INT64=int64,
-        num_warps=_NUM_WARPS,
+        N_Q_HEADS=n_q_heads, N_K_HEADS=n_k_heads,
+        BLOCK_S=block_s, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, Q_TILES=q_tiles, K_TILES=k_tiles,
+        HALF=half, BLOCK_HALF=next_power_of_2(half),
+        PASS=n_pass, BLOCK_PASS=next_power_of_2(max(n_pass, 1)), COPY_PASS=n_pass > 0 and not in_place,
+        BACKWARD=backward, INT64=offsets_need_int64(q, k, q_out, k_out, cos, sin),
+        num_warps=cfg.num_warps,
     )  # fmt: skip
     return q_out, k_out
+
+
+def _overwritable(*tensors: torch.Tensor) -> bool:
+    """Whether results can be written over `tensors` element for element: no tensor's elements
+    alias each other (a broadcast gradient has zero strides) and their memory ranges are disjoint."""
+    spans = []
+    for t in tensors:
+        reach = 1  # elements spanned by the dimensions checked so far, by increasing stride
+        for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1):
+            if stride < reach:
+                return False
+            reach = stride * (size - 1) + reach
+        start = t.data_ptr()
+        spans.append((start, start + reach * t.element_size()))
+    spans.sort()
+    return all(end <= next_start for (_, end), (next_start, _) in pairwise(spans))
 
 
 class RoPEFunction(torch.autograd.Function):
     """Autograd wrapper: forward rotates by θ, backward by −θ (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, heads_dim: int):
+    def forward(ctx, q, k, cos, sin, heads_dim: int, in_place: bool):
         ctx.save_for_backward(cos, sin)
-        ctx.heads_dim = heads_dim
+        ctx.heads_dim, ctx.in_place = heads_dim, in_place
         return _rope_launch(q, k, cos, sin, heads_dim, backward=False)
 
     @staticmethod
     def backward(ctx, dq_embed, dk_embed):
         cos, sin = ctx.saved_tensors
-        dq, dk = _rope_launch(dq_embed, dk_embed, cos, sin, ctx.heads_dim, backward=True)
-        return dq, dk, None, None, None
+        in_place = ctx.in_place and _overwritable(dq_embed, dk_embed)
+        dq, dk = _rope_launch(dq_embed, dk_embed, cos, sin, ctx.heads_dim, backward=True, in_place=in_place)
+        return dq, dk, None, None, None, None
 
 
 def _check_inputs(q, k, cos, sin, unsqueeze_dim) -> int:
@@ -293,6 +373,8 @@ def apply_rotary_pos_emb(
     cos: torch.Tensor,
     sin: torch.Tensor,
     unsqueeze_dim: int = 1,
+    *,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Drop-in for transformers' ``apply_rotary_pos_emb``: rotate q and k by cos/sin.
 
@@ -300,13 +382,17 @@ def apply_rotary_pos_emb(
     any strides; cos/sin ``[B or 1, S, R]`` with ``R ≤ D`` (only the first R dims rotate). Returns
     new tensors ``(q_embed, k_embed)`` with q's and k's layouts and dtypes (HF's eager code would
     promote to a wider cos/sin dtype; HF's rotary modules return cos/sin in q's dtype, so both
-    agree in practice). Differentiable in q and k. Runs the Triton kernel on CUDA (or under ``TRITON_INTERPRET=1``), otherwise
-    `rope_reference`.
+    agree in practice). Differentiable in q and k. Runs the Triton kernel on CUDA (or under
+    ``TRITON_INTERPRET=1``), otherwise `rope_reference`.
+
+    ``in_place=True`` writes dq/dk over the incoming gradients in backward (when they do not
+    alias themselves or each other). Use it only where nothing else reads those gradients, as in
+    an attention block whose q_embed/k_embed go only to the attention kernel.
     """
     heads_dim = _check_inputs(q, k, cos, sin, unsqueeze_dim)
     if not use_triton(q, k, cos, sin):
         return rope_reference(q, k, cos, sin, unsqueeze_dim)
-    return RoPEFunction.apply(q, k, cos, sin, heads_dim)
+    return RoPEFunction.apply(q, k, cos, sin, heads_dim, in_place)
 
 
 def rope_reference(

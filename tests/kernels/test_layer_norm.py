@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from ligertune.kernels import rms_norm as rms_module
 from ligertune.kernels.layer_norm import LayerNorm, layer_norm, layer_norm_reference
-
-from tests.kernels.helpers import assert_close, fresh_randn, rel_err
-from tests.kernels.test_rms_norm import grads, leaf64, poisoned_allocations  # noqa: F401 (fixture)
+from tests.kernels.helpers import (
+    assert_close,
+    fresh_randn,
+    poisoned_allocations_fixture,  # noqa: F401 (fixture)
+    rel_err,
+)
+from tests.kernels.test_rms_norm import grads, leaf64
 
 # Every tensor the op allocates (outputs, mean/rstd, dx, dw/db partials) starts as NaN.
 pytestmark = pytest.mark.usefixtures("poisoned_allocations")
@@ -84,10 +89,11 @@ def test_strided_input_and_grad(device):
 
 
 def test_one_row_per_block_config_and_int64_path(monkeypatch, device):
-    """One row per block, a 3-program persistent grid over 13 rows, int64 offsets forced."""
-    monkeypatch.setattr(rms_module, "_launch_config", lambda *a: rms_module._LaunchConfig(1, 1024, 4))
-    monkeypatch.setattr(rms_module, "_persistent_programs", lambda *a: 3)
-    monkeypatch.setattr(rms_module, "_offsets_need_int64", lambda *ts: True)
+    """One row per block, a pipelined persistent loop of one program per (stand-in) SM over 13
+    rows, int64 offsets forced."""
+    config = rms_module._RowNormConfig(block_m=1, num_warps=4, num_stages=2, programs_per_sm=1)
+    monkeypatch.setattr(rms_module, "_default_config", lambda *a: config)
+    monkeypatch.setattr(rms_module, "offsets_need_int64", lambda *ts: True)
     x = fresh_randn(13, 1000, requires_grad=True, device=device)
     check_layer_norm(x, *make_params(1000, torch.float32, x.device))
 

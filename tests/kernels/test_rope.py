@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ligertune.kernels import rope as rope_module
-from ligertune.kernels.rope import apply_rotary_pos_emb, rope_reference
 from transformers import LlamaConfig, Phi3Config
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_rope
 
-from tests.kernels.helpers import assert_close, fresh_randn, poison_
-
-
-@pytest.fixture
-def poisoned_allocations(monkeypatch):
-    """Make torch.empty/empty_like return NaN-filled tensors while the test runs."""
-    for name in ("empty", "empty_like"):
-        original = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *a, _f=original, **kw: poison_(_f(*a, **kw)))
+from ligertune.kernels import rope as rope_module
+from ligertune.kernels.rope import apply_rotary_pos_emb, rope_reference
+from tests.kernels.helpers import (
+    assert_close,
+    fresh_randn,
+    poisoned_allocations_fixture,  # noqa: F401 (fixture)
+)
 
 
 def make_qk(batch, seq, n_q, n_k, head_dim, layout, dtype, device):
@@ -49,9 +45,14 @@ def make_qk(batch, seq, n_q, n_k, head_dim, layout, dtype, device):
     return q.requires_grad_(), k.requires_grad_()
 
 
-def check_against(reference, q, k, cos, sin, unsqueeze_dim=1):
-    """Forward and backward of ours vs `reference` run in float64 on the same (rounded) inputs."""
-    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+def check_against(reference, q, k, cos, sin, unsqueeze_dim=1, grad_layout="like_output", in_place=False):
+    """Forward and backward of ours vs `reference` run in float64 on the same (rounded) inputs.
+
+    ``grad_layout``: the incoming gradients' memory order, "like_output" (as the outputs) or
+    "heads_major" (contiguous ``[B, H, S, D]``, as attention kernels and the benchmark hand
+    them over). Returns the incoming gradients and ours (for in-place checks).
+    """
+    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, in_place=in_place)
     q64 = q.detach().double().requires_grad_()
     k64 = k.detach().double().requires_grad_()
     q_ref, k_ref = reference(q64, k64, cos.double(), sin.double(), unsqueeze_dim=unsqueeze_dim)
@@ -59,12 +60,20 @@ def check_against(reference, q, k, cos, sin, unsqueeze_dim=1):
     assert_close(q_out, q_ref, q.dtype, "q_embed")
     assert_close(k_out, k_ref, k.dtype, "k_embed")
 
-    dq_out = fresh_randn(*q_out.shape, dtype=q.dtype, device=q.device)
-    dk_out = fresh_randn(*k_out.shape, dtype=k.dtype, device=k.device)
+    def incoming(out):
+        if grad_layout == "like_output":
+            return torch.empty_like(out).copy_(fresh_randn(*out.shape, dtype=out.dtype, device=out.device))
+        heads_dim = 1 if unsqueeze_dim == 1 else 2
+        g = fresh_randn(*out.transpose(1, heads_dim).shape, dtype=out.dtype, device=out.device)
+        return g.transpose(1, heads_dim)  # heads outermost after batch in memory
+
+    dq_out, dk_out = incoming(q_out), incoming(k_out)
+    dq_in, dk_in = dq_out.double(), dk_out.double()  # in_place may overwrite dq_out / dk_out
     dq, dk = torch.autograd.grad((q_out, k_out), (q, k), (dq_out, dk_out))
-    dq_ref, dk_ref = torch.autograd.grad((q_ref, k_ref), (q64, k64), (dq_out.double(), dk_out.double()))
+    dq_ref, dk_ref = torch.autograd.grad((q_ref, k_ref), (q64, k64), (dq_in, dk_in))
     assert_close(dq, dq_ref, q.dtype, "dq")
     assert_close(dk, dk_ref, k.dtype, "dk")
+    return (dq_out, dk_out), (dq, dk)
 
 
 # (batch, seq, q heads, kv heads, head_dim, rotary_dim): GQA, MHA, MQA, odd sizes,
@@ -80,14 +89,80 @@ SHAPES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("layout", ["hf", "contiguous", "bshd", "fused"])
 @pytest.mark.parametrize("cos_batch", ["full", "broadcast"])
-def test_matches_phi3_reference(shape, dtype, layout, cos_batch, device, poisoned_allocations):
+@pytest.mark.parametrize("grad_layout", ["like_output", "heads_major"])
+def test_matches_phi3_reference(shape, dtype, layout, cos_batch, grad_layout, device, poisoned_allocations):
     """General cos/sin (unrelated halves) against HF's partial-rotary function in float64."""
     batch, seq, n_q, n_k, head_dim, rot = shape
     q, k = make_qk(batch, seq, n_q, n_k, head_dim, layout, dtype, device)
     cos_b = batch if cos_batch == "full" else 1
     cos = fresh_randn(cos_b, seq, rot, dtype=dtype, device=device)
     sin = fresh_randn(cos_b, seq, rot, dtype=dtype, device=device)
-    check_against(phi3_rope, q, k, cos, sin, unsqueeze_dim=2 if layout == "bshd" else 1)
+    check_against(phi3_rope, q, k, cos, sin, 2 if layout == "bshd" else 1, grad_layout)
+
+
+def test_default_config_follows_memory_layout():
+    """Tiles are one contiguous run: all heads of a position, or many positions of a head."""
+    q = torch.empty(8, 2048, 32, 128, device="meta")
+    assert rope_module._default_config(q.transpose(1, 2), 1, 64) == rope_module._RopeConfig(1, 32)
+    assert rope_module._default_config(q, 2, 64) == rope_module._RopeConfig(1, 32)  # [B, S, H, D]
+    heads_major = torch.empty(8, 32, 2048, 128, device="meta")
+    assert rope_module._default_config(heads_major, 1, 64) == rope_module._RopeConfig(16, 2)
+    # Few heads or short sequences: the other axis takes the rest of the budget.
+    assert rope_module._default_config(q[:, :, :8].transpose(1, 2), 1, 64) == rope_module._RopeConfig(4, 8)
+    assert rope_module._default_config(heads_major[:, :, :8], 1, 64) == rope_module._RopeConfig(8, 4)
+
+
+# (positions, heads) per tile: one head, one position, tiles that do not divide 5 positions or
+# 3 heads, tiles larger than the tensor.
+@pytest.mark.parametrize("block_s,block_h", [(2, 1), (1, 4), (4, 2), (16, 8)])
+@pytest.mark.parametrize("layout", ["hf", "contiguous"])
+def test_tile_configs(block_s, block_h, layout, monkeypatch, device, poisoned_allocations):
+    config = rope_module._RopeConfig(block_s, block_h, num_warps=2)
+    monkeypatch.setattr(rope_module, "_default_config", lambda *a: config)
+    q, k = make_qk(1, 5, 3, 2, 40, layout, torch.bfloat16, device)
+    cos, sin = fresh_randn(1, 5, 24, device=device), fresh_randn(1, 5, 24, device=device)
+    check_against(phi3_rope, q, k, cos.bfloat16(), sin.bfloat16(), grad_layout="heads_major")
+
+
+@pytest.mark.parametrize("grad_layout", ["like_output", "heads_major"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_in_place_backward_writes_over_incoming_grads(grad_layout, dtype, device, poisoned_allocations):
+    """Partial rotary too: the tail of dq is dq_embed's tail, already in place."""
+    q, k = make_qk(2, 5, 4, 2, 40, "hf", dtype, device)
+    cos, sin = (
+        fresh_randn(1, 5, 16, dtype=dtype, device=device),
+        fresh_randn(1, 5, 16, dtype=dtype, device=device),
+    )
+    (dq_out, dk_out), (dq, dk) = check_against(phi3_rope, q, k, cos, sin, 1, grad_layout, in_place=True)
+    assert dq.data_ptr() == dq_out.data_ptr() and dk.data_ptr() == dk_out.data_ptr()
+
+
+def test_in_place_backward_falls_back_on_aliased_grads(device):
+    """A broadcast (zero-stride) incoming gradient is read, never written over."""
+    q, k = make_qk(1, 4, 2, 1, 8, "hf", torch.float32, device)
+    cos, sin = fresh_randn(1, 4, 8, device=device), fresh_randn(1, 4, 8, device=device)
+    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin, in_place=True)
+    dq_out = fresh_randn(1, 1, 1, 8, device=device).expand(q_out.shape)
+    dk_out = fresh_randn(*k_out.shape, device=device)
+    saved = dq_out.clone()
+    dq, _ = torch.autograd.grad((q_out, k_out), (q, k), (dq_out, dk_out))
+    assert torch.equal(dq_out, saved) and dq.data_ptr() != dq_out.data_ptr()
+    q64 = q.detach().double().requires_grad_()
+    (dq64,) = torch.autograd.grad(
+        phi3_rope(q64, k.double(), cos.double(), sin.double())[0], q64, saved.double()
+    )
+    assert_close(dq, dq64, torch.float32, "dq")
+
+
+def test_overwritable():
+    buf = torch.empty(4, 10)
+    assert rope_module._overwritable(buf[:2], buf[2:].t())  # disjoint ranges
+    # Interleaved ranges count as overlapping (conservative: results then go to fresh buffers).
+    assert not rope_module._overwritable(buf[:, :5], buf[:, 5:])
+    assert not rope_module._overwritable(buf[:2], buf[1:])  # shared rows
+    assert not rope_module._overwritable(torch.empty(3, 1).expand(3, 4))  # aliased elements
+    assert not rope_module._overwritable(buf.as_strided((3, 3), (2, 1)))  # overlapping rows
+    assert rope_module._overwritable(buf.t(), torch.empty(5)[::2])
 
 
 def test_outputs_keep_input_layout(device):
@@ -143,7 +218,7 @@ def test_cpu_fallback_without_interpreter(monkeypatch):
 
 def test_int64_offset_path(monkeypatch, device, poisoned_allocations):
     """The int64 index path (taken for tensors past 2**31 elements) computes the same values."""
-    monkeypatch.setattr(rope_module, "_max_offset", lambda t: 2**31)
+    monkeypatch.setattr(rope_module, "offsets_need_int64", lambda *ts: True)
     q, k = make_qk(2, 5, 4, 2, 24, "fused", torch.float32, device)
     cos, sin = fresh_randn(2, 5, 16, device=device), fresh_randn(2, 5, 16, device=device)
     check_against(phi3_rope, q, k, cos, sin)
@@ -206,15 +281,16 @@ def test_cos_requiring_grad_raises(device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("grad_layout", ["like_output", "heads_major"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_gpu_benchmark_shape_vs_llama(dtype):
+def test_gpu_benchmark_shape_vs_llama(dtype, grad_layout):
     """B 8, S 2048, 32 q heads, 8 kv heads, D 128, cos/sin from LlamaRotaryEmbedding."""
     config = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0)
     batch, seq = 8, 2048
     q, k = make_qk(batch, seq, 32, 8, 128, "hf", dtype, "cuda")
     position_ids = torch.arange(seq, device="cuda").expand(batch, seq)
     cos, sin = LlamaRotaryEmbedding(config).cuda()(q, position_ids)
-    check_against(llama_rope, q, k, cos, sin)
+    check_against(llama_rope, q, k, cos, sin, grad_layout=grad_layout, in_place=grad_layout == "heads_major")
 
 
 @pytest.mark.gpu

@@ -11,6 +11,11 @@ import copy
 
 import pytest
 import torch
+from transformers import LlamaConfig, Phi3Config
+from transformers.activations import ACT2FN
+from transformers.models.llama.modeling_llama import LlamaMLP
+from transformers.models.phi3.modeling_phi3 import Phi3MLP
+
 from ligertune.kernels import swiglu as swiglu_module
 from ligertune.kernels.swiglu import (
     GatedMLP,
@@ -20,12 +25,12 @@ from ligertune.kernels.swiglu import (
     swiglu,
     swiglu_reference,
 )
-from transformers import LlamaConfig, Phi3Config
-from transformers.activations import ACT2FN
-from transformers.models.llama.modeling_llama import LlamaMLP
-from transformers.models.phi3.modeling_phi3 import Phi3MLP
-
-from tests.kernels.helpers import assert_close, fresh_randn, poison_, rel_err
+from tests.kernels.helpers import (
+    assert_close,
+    fresh_randn,
+    poisoned_allocations_fixture,  # noqa: F401 (fixture)
+    rel_err,
+)
 
 # ours, HF activation name, our reference
 OPS = {
@@ -37,14 +42,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Under the interpreter tl.sigmoid's exp(-x) overflows to inf for very negative x (numpy warns);
 # 1 / (1 + inf) = 0 is the right limit, and the values are checked.
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
-
-
-@pytest.fixture
-def poisoned_allocations(monkeypatch):
-    """Make torch.empty/empty_like return NaN-filled tensors while the test runs."""
-    for name in ("empty", "empty_like"):
-        original = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *a, _f=original, **kw: poison_(_f(*a, **kw)))
 
 
 def hf_gated(activation: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
