@@ -49,18 +49,29 @@ def shipped_recipes() -> dict[str, Path]:
 def validate(
     recipes: list[Path] = typer.Argument(..., help="Recipe files, optionally followed by key=value overrides."),
     fmt: str = typer.Option("table", "--format", "-f", help="How to print the resolved recipe: table, yaml or none."),
+    check: bool = typer.Option(
+        False,
+        "--check",
+        help="Also build the model and compare it patched vs unpatched on one random batch "
+        "(loss, logits, every gradient). Shrink big models with model.config_overrides.",
+    ),
 ) -> None:
     """Validate recipes and print each one fully resolved (defaults filled in).
+
+    With --check, also run the kernel parity self-check on the recipe's model; exit status 1 when
+    it fails.
 
     [bold]Examples[/]
 
       ligertune validate recipes/quickstart.yaml
 
       ligertune validate recipes/llama3-8b-alpaca.yaml training.lr=1e-5 kernels.rope=false -f yaml
+
+      ligertune validate recipes/llama3-8b-alpaca.yaml --check -f none model.config_overrides.num_hidden_layers=2
     """
     files = [str(p) for p in recipes if "=" not in str(p)]
     overrides = [str(p) for p in recipes if "=" in str(p)]
-    failed = False
+    failed = parity_failed = False
     for file in files:
         try:
             recipe = load_recipe(file, overrides)
@@ -75,8 +86,23 @@ def validate(
         elif fmt == "table":
             _print_recipe_table(file, recipe)
         console.print(f"[green]✓[/] {file}")
+        if check:
+            from ligertune.patching import check_recipe
+
+            try:
+                result = check_recipe(recipe)
+            except RecipeError as e:
+                failed = True
+                for problem in e.problems:
+                    err_console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
+                continue
+            console.print(str(result.report), markup=False, highlight=False, soft_wrap=True)
+            console.print(str(result), markup=False, highlight=False, soft_wrap=True)
+            parity_failed |= not result.ok
     if failed:
         raise typer.Exit(2)
+    if parity_failed:
+        raise typer.Exit(1)
 
 
 def _print_recipe_table(title: str, recipe) -> None:
