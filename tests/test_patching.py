@@ -278,6 +278,24 @@ def test_report_text_names_every_kernel_and_why():
     assert report.skipped["rope"] == "off in the recipe"
 
 
+def test_activation_checkpointing_recomputes_patched_layers():
+    """Non-reentrant checkpointing (how the loop runs it) recomputes the patched forwards in
+    backward; the gated kernel's in-place backward then writes over recomputed gate/up halves."""
+    hf = tiny_model("phi3")
+    ours = copy.deepcopy(hf)
+    patch_model(ours, "all")
+    ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    batch = random_batch()
+    hf.train()
+    ours.train()
+    ref, out = hf(**batch), ours(**batch)
+    ref.loss.backward()
+    out.loss.backward()
+    assert rel_err(out.loss, ref.loss) <= FP32_TOL
+    for name, g in grads(hf).items():
+        assert rel_err(grads(ours)[name], g) <= FP32_TOL, name
+
+
 # --------------------------------------------------------------------------------------------
 # Loss paths
 # --------------------------------------------------------------------------------------------
