@@ -293,18 +293,24 @@ def _default_config(backward: bool, n_cols: int, device_type: str) -> _RowNormCo
     GPU: blocks of at least `_GPU_BLOCK_ELEMS` elements (whole rows; several rows per block for
     head_dim-sized norms). The forward gives each thread 16 elements per row-sized tensor (two
     16-byte bf16 loads; ~32 registers on sm_90, so occupancy is not the limit). The backward
-    gives each thread 8: compiled for sm_90 it then needs ~64 registers instead of ~120 at 16,
-    which doubles the warps an SM holds (32 per SM at every hidden size), and its loop is
-    pipelined two deep (`_RowNormConfig.num_stages`), so loads are always in flight.
+    uses the winners of the H200 sweep (see below); ``programs_per_sm=0`` (size the persistent
+    grid from the compiled kernel's occupancy) remains for configs the sweep tries.
     Interpreter: it pays per program and loop iteration, not per element, so blocks are large.
     """
     block_n = _block_n(n_cols)
     if device_type != "cuda":
         return _RowNormConfig(block_m=max(1, _INTERPRET_BLOCK_ELEMS // block_n), num_warps=4)
     block_m = max(1, _GPU_BLOCK_ELEMS // block_n)
-    elems_per_thread = 8 if backward else 16
-    num_warps = min(32, max(4, block_m * block_n // (32 * elems_per_thread)))
-    return _RowNormConfig(block_m, num_warps, num_stages=2 if backward else 1)
+    if not backward:
+        return _RowNormConfig(block_m, min(32, max(4, block_m * block_n // (32 * 16))))
+    # Backward, from the H200 sweep (scripts/tune_kernels.py; docs/perf-notes.md v2): two rows
+    # per block up to H 4096, 16 elements per thread, a three-deep pipeline, and one or two
+    # programs per SM gave 1.1-1.6x over the occupancy-derived grid at every benchmark size.
+    if block_n <= 4096:
+        block_m *= 2
+    elems = block_m * block_n
+    num_warps = min(32, max(4, elems // (32 * 16)))
+    return _RowNormConfig(block_m, num_warps, num_stages=3, programs_per_sm=2 if elems <= 4096 else 1)
 
 
 # Persistent programs per SM, per compiled backward specialisation (read by a GPU test).
