@@ -1,14 +1,23 @@
-"""Resumable checkpoints, written atomically.
+"""Resumable checkpoints, written atomically, by one process or by every rank of a job.
 
 Layout under ``<run_dir>/checkpoints``::
 
     step-120/
-        model.pt        model state dict (torch.save; tied weights stay tied)
-        trainer.pt      optimizer and LR-scheduler state, RNG states (python, numpy, torch CPU/CUDA)
-        state.json      step, data position (epoch, next micro-batch) and run facts, human-readable
+        model.pt        format "full" (strategies none, ddp): the model state dict (tied
+        optimizer.pt    weights stay tied) and the optimizer state dict, written by rank 0
+        dcp/            format "dcp" (fsdp): model and optimizer shards, torch.distributed.checkpoint
+        deepspeed/      format "deepspeed": DeepSpeed's own ZeRO checkpoint
+        trainer.pt      LR-scheduler state
+        rng-rank<R>.pt  RNG states (python, numpy, torch CPU/CUDA) of each rank
+        state.json      step, data position (epoch, next micro-batch), format, world size and run
+                        facts, human-readable
         recipe.yaml     the fully resolved recipe the run used
         COMPLETE        written last; a directory without it is never loaded
     .tmp-step-140/      a save in progress (or one killed half way): ignored
+
+Which of ``model.pt``/``optimizer.pt``, ``dcp/`` or ``deepspeed/`` a checkpoint holds, and how
+those are written and read, belongs to the strategy (`ligertune.distributed`); this module
+owns everything around them: the directory, its atomicity, the run state and the RNG states.
 
 Atomicity: a checkpoint is written into ``.tmp-step-N``, every file is fsync'd, the
 ``COMPLETE`` marker goes in last, and the directory is renamed to ``step-N`` (a rename within
@@ -17,6 +26,12 @@ complete checkpoints untouched, or the new one complete as well; ``resume: auto`
 at complete ``step-N`` directories, and leftover ``.tmp-*`` directories are removed by the
 next successful save. Old checkpoints are pruned (``keep_last``) only after the new one is in
 place, so at least one complete checkpoint always exists once the first save finished.
+
+Several processes: rank 0 creates the temporary directory, every rank writes its part into it
+(its shards, its RNG states) and fsyncs what it sees there, then rank 0 writes the run state
+and the marker and renames; barriers separate the phases, so no rank reads or prunes a
+directory another is still writing. Every rank must see the same directory: on several nodes
+``output_dir`` has to be on a shared filesystem.
 
 Everything is loaded with ``torch.load(weights_only=True)``: no pickled code runs on resume.
 """
@@ -29,15 +44,20 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 COMPLETE = "COMPLETE"
+MODEL_FILE = "model.pt"
+OPTIMIZER_FILE = "optimizer.pt"
+TRAINER_FILE = "trainer.pt"
+FULL_FORMAT = "full"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -49,6 +69,17 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            _fsync(path)
+    _fsync(root)
+
+
+def _temporary(final: Path) -> Path:
+    return final.with_name(f".tmp-{final.name}")
+
+
 @contextlib.contextmanager
 def atomic_directory(final: Path) -> Iterator[Path]:
     """Yield a temporary sibling directory to fill; on success it replaces `final` in one
@@ -57,16 +88,13 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     Replacing an existing `final` needs two renames (old out of the way, new in); a crash
     between them leaves `final` missing but the old copy intact under ``.old-<name>``.
     """
-    tmp = final.with_name(f".tmp-{final.name}")
+    tmp = _temporary(final)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
         yield tmp
-        for path in tmp.rglob("*"):
-            if path.is_file():
-                _fsync(path)
-        _fsync(tmp)
+        _fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -113,24 +141,78 @@ def _as_tuples(value: Any) -> Any:
     return tuple(_as_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
+def _rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
+
+
 # --------------------------------------------------------------------------------------------
 # Save, find, load
 # --------------------------------------------------------------------------------------------
 
 
+class ProcessGroup(Protocol):
+    """What a save needs to know about the job: `ligertune.distributed.Runtime` is one."""
+
+    rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def barrier(self) -> None: ...
+
+
+class _OneProcess:
+    rank, world_size, is_main = 0, 1, True
+
+    def barrier(self) -> None:
+        pass
+
+
+def write_full_state(directory: Path, model: dict[str, torch.Tensor], optimizer: dict[str, Any]) -> None:
+    """The "full" format: whole model and optimizer state dicts, one file each."""
+    torch.save(model, directory / MODEL_FILE)
+    torch.save(optimizer, directory / OPTIMIZER_FILE)
+
+
 @dataclass
 class Checkpoint:
+    """A complete checkpoint, as one rank reads it. The run state is read at once; the model
+    and optimizer state dicts of the "full" format only when asked for (a sharded format has
+    none: its strategy reads its own files under `path`)."""
+
     path: Path
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
     scheduler: dict[str, Any]
-    rng: dict[str, Any]
+    rng: dict[str, Any] | None  # this rank's RNG states; None if the saving job had no such rank
     state: dict[str, Any]
     recipe_yaml: str
 
     @property
     def step(self) -> int:
         return self.state["step"]
+
+    @property
+    def format(self) -> str:
+        return self.state.get("format", FULL_FORMAT)
+
+    @property
+    def world_size(self) -> int:
+        return self.state.get("world_size", 1)
+
+    @cached_property
+    def model(self) -> dict[str, torch.Tensor]:
+        return torch.load(self._full_file(MODEL_FILE), map_location="cpu", weights_only=True)
+
+    @cached_property
+    def optimizer(self) -> dict[str, Any]:
+        return torch.load(self._full_file(OPTIMIZER_FILE), map_location="cpu", weights_only=True)
+
+    def _full_file(self, name: str) -> Path:
+        if self.format != FULL_FORMAT:
+            raise ValueError(
+                f"checkpoint {self.path} is in the {self.format!r} format (sharded); it has no {name}"
+            )
+        return self.path / name
 
 
 def step_of(path: Path) -> int | None:
@@ -172,31 +254,66 @@ class CheckpointManager:
         state: dict[str, Any],
         recipe_yaml: str,
     ) -> Path:
-        """Write checkpoint `step` atomically, then prune to `keep_last`. Returns its path."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        """Write checkpoint `step` of a single process, in the "full" format, atomically,
+        then prune to `keep_last`. Returns its path."""
+        return self.save_from(
+            _OneProcess(),
+            step,
+            write_state=lambda directory: write_full_state(directory, model, optimizer),
+            format=FULL_FORMAT,
+            scheduler=scheduler,
+            state=state,
+            recipe_yaml=recipe_yaml,
+        )
+
+    def save_from(
+        self,
+        group: ProcessGroup,
+        step: int,
+        *,
+        write_state: Callable[[Path], None],
+        format: str,
+        scheduler: dict[str, Any],
+        state: dict[str, Any],
+        recipe_yaml: str,
+    ) -> Path:
+        """Write checkpoint `step` with every rank of `group` taking part (collective: every
+        rank calls it). `write_state(directory)` writes the model and optimizer state in
+        `format`; it runs on every rank, which writes its own part (or nothing). Atomic as
+        described in the module docstring; prunes to `keep_last`. Returns the path."""
         final = self.path_for(step)
-        with atomic_directory(final) as tmp:
-            torch.save(model, tmp / "model.pt")
-            torch.save(
-                {"optimizer": optimizer, "scheduler": scheduler, "rng": capture_rng_state()},
-                tmp / "trainer.pt",
-            )
-            (tmp / "state.json").write_text(json.dumps({**state, "step": step}, indent=2) + "\n")
-            (tmp / "recipe.yaml").write_text(recipe_yaml)
-            (tmp / COMPLETE).write_text(f"{step}\n")
-        self._prune()
+        tmp = _temporary(final)
+        directory_of_main = atomic_directory(final) if group.is_main else contextlib.nullcontext(tmp)
+        with directory_of_main as directory:
+            group.barrier()  # rank 0 has made the directory
+            write_state(directory)
+            torch.save(capture_rng_state(), directory / _rng_file(group.rank))
+            if not group.is_main:
+                # Each rank flushes what it wrote from its own node; rank 0 flushes on commit.
+                _fsync_tree(directory)
+            group.barrier()  # every rank's part is in
+            if group.is_main:
+                record = {**state, "step": step, "format": format, "world_size": group.world_size}
+                torch.save({"scheduler": scheduler}, directory / TRAINER_FILE)
+                (directory / "state.json").write_text(json.dumps(record, indent=2) + "\n")
+                (directory / "recipe.yaml").write_text(recipe_yaml)
+                (directory / COMPLETE).write_text(f"{step}\n")
+        if group.is_main:
+            self._prune()
+        group.barrier()  # nobody goes on (or resumes, or saves again) before the rename
         return final
 
     def _prune(self) -> None:
         for path in self.complete()[: -self.keep_last]:
             shutil.rmtree(path)
-        # Half-written saves of processes that were killed; this process's own save is done.
+        # Half-written saves of processes that were killed; this job's own save is done.
         for path in self.root.glob(".tmp-step-*"):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def load_checkpoint(path: Path) -> Checkpoint:
-    """Read a complete checkpoint (tensors on the CPU). Raises ValueError naming what is wrong."""
+def load_checkpoint(path: Path, rank: int = 0) -> Checkpoint:
+    """Read a complete checkpoint's run state as rank `rank` sees it (tensors on the CPU).
+    Raises ValueError naming what is wrong."""
     if not path.is_dir():
         raise ValueError(f"checkpoint {path} does not exist or is not a directory")
     if not (path / COMPLETE).is_file():
@@ -204,13 +321,11 @@ def load_checkpoint(path: Path) -> Checkpoint:
             f"checkpoint {path} is incomplete (no {COMPLETE} marker: its save was interrupted); "
             "resume from an older one or use checkpoint.resume=auto"
         )
-    trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+    rng_path = path / _rng_file(rank)
     return Checkpoint(
         path=path,
-        model=torch.load(path / "model.pt", map_location="cpu", weights_only=True),
-        optimizer=trainer["optimizer"],
-        scheduler=trainer["scheduler"],
-        rng=trainer["rng"],
+        scheduler=torch.load(path / TRAINER_FILE, map_location="cpu", weights_only=True)["scheduler"],
+        rng=torch.load(rng_path, map_location="cpu", weights_only=True) if rng_path.is_file() else None,
         state=json.loads((path / "state.json").read_text()),
         recipe_yaml=(path / "recipe.yaml").read_text(),
     )

@@ -34,8 +34,9 @@ if not RECIPES_DIR.is_dir():  # a regular (non-editable) install maps recipes/ i
     RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 
 
-def fail(error: RecipeError) -> None:
-    err_console.print(f"[bold red]error:[/] {error.source + ': ' if error.source else ''}invalid recipe")
+def fail(error: RecipeError, who: str = "") -> None:
+    """Print a recipe error (`who`: the rank that hit it, in a multi-process run) and exit 2."""
+    err_console.print(f"[bold red]error:[/] {who}{error.source + ': ' if error.source else ''}invalid recipe")
     for problem in error.problems:
         err_console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(2)
@@ -200,33 +201,66 @@ def env() -> None:
 def train(
     recipe: Path = typer.Argument(..., help="Recipe file."),
     overrides: list[str] | None = typer.Argument(None, help="key=value overrides, e.g. training.lr=1e-4."),
+    nproc_per_node: int | None = typer.Option(
+        None, "--nproc-per-node", help="Processes (one per GPU) on this node: launch the run through torchrun."
+    ),
+    nnodes: int = typer.Option(1, "--nnodes", help="Nodes of the job; run the same command on each."),
+    node_rank: int | None = typer.Option(
+        None, "--node-rank", help="This node's rank (static rendezvous; node 0 runs on the endpoint's host)."
+    ),
+    rdzv_endpoint: str | None = typer.Option(
+        None, "--rdzv-endpoint", help="HOST:PORT every node reaches, for the rendezvous of several nodes."
+    ),
 ) -> None:
     """Fine-tune a model as the recipe says: checkpoints, metrics and the export go to its output_dir.
 
-    Exit status: 0 done, 1 training failed (e.g. non-finite loss), 2 bad recipe or data,
-    128 + signal number after SIGTERM/SIGINT (a checkpoint was saved; rerun to resume).
+    With --nproc-per-node (and --nnodes/--node-rank/--rdzv-endpoint for several nodes) the run is
+    launched through torchrun, one process per GPU; the recipe's parallel.strategy (ddp, fsdp,
+    deepspeed) says how they share the work. See docs/distributed.md.
+
+    Exit status: 0 done, 1 training failed (e.g. non-finite loss; or any rank failed, under
+    torchrun), 2 bad recipe or data, 128 + signal number after SIGTERM/SIGINT (a checkpoint was
+    saved; rerun to resume).
 
     [bold]Examples[/]
 
       ligertune train recipes/quickstart.yaml
 
       ligertune train recipes/quickstart.yaml training.max_steps=20 output_dir=runs/try
+
+      ligertune train recipes/llama3-8b-alpaca.yaml --nproc-per-node 4 parallel.strategy=fsdp
+
+      ligertune train my.yaml --nnodes 2 --nproc-per-node 8 --rdzv-endpoint node0:29500
     """
     from rich.markup import escape
 
     from ligertune.data import DataError
+    from ligertune.distributed import rank_label
+    from ligertune.launch import LaunchError, LaunchOptions, check_options, launch, record_errors
     from ligertune.train import TrainingError
     from ligertune.train import train as run_training
 
+    options = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    if options.requested:
+        try:
+            check_options(options, load_recipe(recipe, overrides or []))
+        except RecipeError as e:
+            fail(e)
+        except LaunchError as e:
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+            raise typer.Exit(2) from None
+        raise typer.Exit(launch(recipe, overrides or [], options))
+
+    who = rank_label()  # "rank 1/4: " under torchrun, so every rank's error names it
     try:
-        result = run_training(load_recipe(recipe, overrides or []))
+        result = record_errors(run_training)(load_recipe(recipe, overrides or []))
     except RecipeError as e:
-        fail(e)
+        fail(e, who)
     except DataError as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {who}{escape(str(e))}", highlight=False)
         raise typer.Exit(2) from None
     except TrainingError as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {who}{escape(str(e))}", highlight=False)
         raise typer.Exit(1) from None
     if result.signal is not None:
         raise typer.Exit(128 + result.signal)

@@ -354,10 +354,11 @@ def _train(recipe: Recipe, runtime: Runtime, on_step_end) -> TrainResult:
     model = build_model(recipe, runtime.init_device)
     check_vocab(model, tokenizer)
     hf_model = model  # `model` becomes the strategy's wrapper below
+    # Counted before wrapping: sharded strategies (ZeRO-3) leave empty parameters behind.
     model_flops = flops_per_token(model, recipe.data.max_seq_len)
+    parameters, model_class = sum(p.numel() for p in model.parameters()), type(model).__name__
     patch_report = prepare_for_training(model, recipe)
-    model = runtime.wrap_model(model)
-    optimizer = build_optimizer(model, training, device)
+    model, optimizer = runtime.wrap(model, lambda module, where: build_optimizer(module, training, where))
     scheduler = build_scheduler(optimizer, training, total_steps)
     autocast = partial(autocast_for, training.precision, device)
 
@@ -375,13 +376,13 @@ def _train(recipe: Recipe, runtime: Runtime, on_step_end) -> TrainResult:
     resumed_message = None
     if resume_from is not None:
         try:
-            saved = load_checkpoint(resume_from)
+            saved = load_checkpoint(resume_from, runtime.rank)
         except ValueError as e:
             raise RecipeError([f"checkpoint.resume: {e}"]) from None
-        runtime.load_model_state_dict(model, saved.model)
-        runtime.load_optimizer_state_dict(model, optimizer, saved.optimizer)
+        runtime.load_state(saved, model, optimizer)
         scheduler.load_state_dict(saved.scheduler)
-        restore_rng_state(saved.rng)
+        if saved.rng is not None:  # None: this rank did not exist in the saving job
+            restore_rng_state(saved.rng)
         step, epoch, batch_index = saved.step, saved.state["epoch"], saved.state["batch_index"]
         resumed_message = f"resumed from {saved.path} (step {step}, epoch {epoch}, micro-batch {batch_index})"
         warning = _position_warning(saved.state.get("order", {}), order)
@@ -395,20 +396,16 @@ def _train(recipe: Recipe, runtime: Runtime, on_step_end) -> TrainResult:
         del saved  # the CPU copy of the weights and optimizer state
 
     def save_checkpoint(at_step: int, position: tuple[int, int]) -> Path:
-        # Every rank takes part in gathering state (sharded strategies); the main rank writes.
-        model_state = runtime.model_state_dict(model)
-        optimizer_state = runtime.optimizer_state_dict(model, optimizer)
-        if runtime.is_main:
-            checkpoints.save(
-                at_step,
-                model=model_state,
-                optimizer=optimizer_state,
-                scheduler=scheduler.state_dict(),
-                state={"epoch": position[0], "batch_index": position[1], "order": order},
-                recipe_yaml=recipe_to_yaml(recipe),
-            )
-        runtime.barrier()
-        return checkpoints.path_for(at_step)
+        # Every rank takes part: each writes its share of the state (sharded strategies).
+        return checkpoints.save_from(
+            runtime,
+            at_step,
+            write_state=lambda directory: runtime.save_state(directory, model, optimizer),
+            format=runtime.checkpoint_format,
+            scheduler=scheduler.state_dict(),
+            state={"epoch": position[0], "batch_index": position[1], "order": order},
+            recipe_yaml=recipe_to_yaml(recipe),
+        )
 
     # -- metrics ---------------------------------------------------------------------------
     metrics = None
@@ -422,10 +419,9 @@ def _train(recipe: Recipe, runtime: Runtime, on_step_end) -> TrainResult:
             tensorboard=recipe.logging.tensorboard,
         )
         log = metrics.info
-        parameters = sum(p.numel() for p in hf_model.parameters())
         log(datasets.report())
         log(
-            f"model {type(hf_model).__name__}, {parameters / 1e6:.1f}M parameters, {training.precision} on "
+            f"model {model_class}, {parameters / 1e6:.1f}M parameters, {training.precision} on "
             f"{device} ({runtime.strategy}, {runtime.world_size} process(es)); {total_steps} steps of "
             f"{training.micro_batch_size} × {training.gradient_accumulation_steps} × {runtime.world_size} "
             f"sequences of ≤ {recipe.data.max_seq_len} tokens"
@@ -439,6 +435,7 @@ def _train(recipe: Recipe, runtime: Runtime, on_step_end) -> TrainResult:
                 "step": step,
                 "total_steps": total_steps,
                 "world_size": runtime.world_size,
+                "strategy": runtime.strategy,
                 "device": str(device),
                 "parameters": parameters,
                 "flops_per_token": model_flops,
@@ -529,8 +526,10 @@ def _train(recipe: Recipe, runtime: Runtime, on_step_end) -> TrainResult:
                     eval_loss = _run_eval(model, eval_loader, runtime, autocast, training, step, metrics, log)
                 if recipe.checkpoint.every_steps and step % recipe.checkpoint.every_steps == 0:
                     last_saved = save_checkpoint(step, (epoch, batch_index))
-                if stop.signum is not None or stop_requested:
-                    stop_signal = stop.signum
+                # Every rank stops at the same step (the save is collective), with the same reason.
+                signum, requested = runtime.max_over_ranks([stop.signum or 0, int(stop_requested)])
+                if signum or requested:
+                    stop_signal = signum or None
                     break
 
             # The end, or a stop: save (unless this step is saved already) so the job can resume.
@@ -623,7 +622,7 @@ def export_hf(model: nn.Module, tokenizer, runtime: Runtime, directory: Path) ->
     written in their training dtype (fp32 for ``bf16-mixed``), so the export is exact."""
     from transformers.utils import logging as hf_logging
 
-    state = runtime.model_state_dict(model)
+    state = runtime.full_model_state_dict(model)
     if runtime.is_main:
         hf_model = runtime.unwrap(model)
         with atomic_directory(directory) as tmp:
