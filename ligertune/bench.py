@@ -624,7 +624,9 @@ def run(opts: BenchOptions, log: Callable[[str], None] = print) -> BenchResult:
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "command": _command_line(opts, kernels, providers, dtype_s, passes, warmup, rep),
         "device": torch.cuda.get_device_name() if on_cuda else "cpu",
-        "timing": "median of CUDA-event device times, cold L2, launches queued behind a GPU spin" if on_cuda else CPU_LABEL,
+        "timing": "median of CUDA-event device times, cold L2, launches queued behind a GPU spin"
+        if on_cuda
+        else CPU_LABEL,
         "kernel_mode": kernel_mode(),
         "dtype": dtype_s,
         "warmup_ms": warmup,
