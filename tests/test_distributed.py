@@ -204,6 +204,10 @@ def test_strategy_matches_one_process_and_resumes_exactly(strategy, single, tmp_
     if strategy != "ddp":
         assert "fused_linear_cross_entropy  1 module patched" in output
         assert_losses_close(losses(kernels), losses(single["kernels"]), FP32_RTOL)
+        # One fused call per micro-batch on each rank, on the whole [vocab, hidden] weight.
+        for rank in (0, 1):
+            calls = json.loads((kernels / f"flce-rank{rank}.json").read_text())
+            assert calls == [[2048, 64]] * 2, calls
 
     for directory in zero_stages.values():  # two steps: the warm-up lr does not depend on the run length
         assert_losses_close(losses(directory), {s: losses(reference)[s] for s in (1, 2)}, FP32_RTOL)
@@ -516,9 +520,14 @@ def test_a_checkpoint_of_another_strategy_is_refused_with_the_fix(tmp_path):
 def _work(spec: Path) -> None:
     """Train each run of the spec in turn, in one process group: the runtime joins a group
     that exists and leaves it for the next run (a group destroyed and made again by ranks at
-    different moments can mix up the two groups' rendezvous keys)."""
+    different moments can mix up the two groups' rendezvous keys).
+
+    Every call of the fused linear cross entropy is recorded with the shape of the lm_head
+    weight it got, into ``flce-rank<R>.json`` of the run's directory: proof that the fused
+    path ran (an HF fallback would compute nearly the same loss) on the gathered weight."""
     import torch.distributed as dist
 
+    from ligertune.kernels import fused_linear_cross_entropy as flce
     from ligertune.train import train
 
     if torch.cuda.is_available():
@@ -527,8 +536,18 @@ def _work(spec: Path) -> None:
         dist.init_process_group("nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
+    kernel, weight_shapes = flce.fused_linear_cross_entropy, []
+
+    def recording(hidden, weight, *args, **kwargs):
+        weight_shapes.append(list(weight.shape))
+        return kernel(hidden, weight, *args, **kwargs)
+
+    flce.fused_linear_cross_entropy = recording
     for overrides in json.loads(spec.read_text()):
-        train(load_recipe(QUICKSTART, overrides))
+        weight_shapes.clear()
+        recipe = load_recipe(QUICKSTART, overrides)
+        train(recipe)
+        (recipe.run_dir / f"flce-rank{dist.get_rank()}.json").write_text(json.dumps(weight_shapes))
     dist.destroy_process_group()
 
 

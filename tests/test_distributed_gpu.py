@@ -15,6 +15,7 @@ bf16 compute copies of FSDP vs autocast of DDP) and the differences grow with th
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -116,6 +117,11 @@ def test_gpu_strategy_with_kernels_matches_one_gpu_and_resumes(strategy, strateg
     assert_losses_close(again, {s: curve[s] for s in again}, 1e-2)
     start = read_metrics(base / "bf16")[0]
     assert (start["world_size"], start["strategy"]) == (2, strategy)
+    # The fused linear cross entropy ran on every micro-batch (8 steps × 2) of each rank, on
+    # the whole lm_head weight (the worker records its calls).
+    for rank in (0, 1):
+        calls = json.loads((base / "bf16" / f"flce-rank{rank}.json").read_text())
+        assert calls == [[2048, 512]] * 16, calls
 
 
 def test_gpu_loss_curves_of_the_strategies_agree(strategy_runs):
