@@ -48,8 +48,12 @@ def shipped_recipes() -> dict[str, Path]:
 
 @app.command()
 def validate(
-    recipes: list[Path] = typer.Argument(..., help="Recipe files, optionally followed by key=value overrides."),
-    fmt: str = typer.Option("table", "--format", "-f", help="How to print the resolved recipe: table, yaml or none."),
+    recipes: list[Path] = typer.Argument(
+        ..., help="Recipe files, optionally followed by key=value overrides."
+    ),
+    fmt: str = typer.Option(
+        "table", "--format", "-f", help="How to print the resolved recipe: table, yaml or none."
+    ),
     check: bool = typer.Option(
         False,
         "--check",
@@ -187,9 +191,9 @@ def env() -> None:
 
       ligertune env
     """
-    from ligertune.environment import describe_environment
-
     from rich.table import Table
+
+    from ligertune.environment import describe_environment
 
     table = Table(show_header=False)
     for key, value in describe_environment().items():
@@ -202,7 +206,9 @@ def train(
     recipe: Path = typer.Argument(..., help="Recipe file."),
     overrides: list[str] | None = typer.Argument(None, help="key=value overrides, e.g. training.lr=1e-4."),
     nproc_per_node: int | None = typer.Option(
-        None, "--nproc-per-node", help="Processes (one per GPU) on this node: launch the run through torchrun."
+        None,
+        "--nproc-per-node",
+        help="Processes (one per GPU) on this node: launch the run through torchrun.",
     ),
     nnodes: int = typer.Option(1, "--nnodes", help="Nodes of the job; run the same command on each."),
     node_rank: int | None = typer.Option(

@@ -39,7 +39,9 @@ def describe_environment() -> dict[str, str]:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
-            info[f"gpu {i}"] = f"{props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}"
+            info[f"gpu {i}"] = (
+                f"{props.name}, {props.total_memory / 2**30:.0f} GiB, sm_{props.major}{props.minor}"
+            )
     else:
         info["gpus"] = "none"
     info["kernels"] = kernel_mode()

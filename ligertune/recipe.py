@@ -88,7 +88,8 @@ class ModelSection(Section):
         "qwen2.5-7b, gemma2-2b, ...) or a transformers config mapping with model_type.",
     )
     config_overrides: dict[str, Any] = Field(
-        default_factory=dict, description="Config fields to change after loading, e.g. {num_hidden_layers: 2}."
+        default_factory=dict,
+        description="Config fields to change after loading, e.g. {num_hidden_layers: 2}.",
     )
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
         "sdpa", description="Attention backend handed to transformers."
@@ -110,7 +111,9 @@ class TokenizerSection(Section):
     chat_template: str | None = Field(
         None, description="Jinja chat template overriding the tokenizer's own (chat format only)."
     )
-    pad_token: str | None = Field(None, description="Pad token to set when the tokenizer has none (default: EOS).")
+    pad_token: str | None = Field(
+        None, description="Pad token to set when the tokenizer has none (default: EOS)."
+    )
 
 
 class DataSection(Section):
@@ -126,7 +129,9 @@ class DataSection(Section):
     validation_fraction: float = Field(
         0.0, ge=0.0, lt=1.0, description="Fraction of the training split held out for evaluation."
     )
-    max_seq_len: int = Field(2048, gt=0, description="Tokens per sequence; longer samples are truncated (and counted).")
+    max_seq_len: int = Field(
+        2048, gt=0, description="Tokens per sequence; longer samples are truncated (and counted)."
+    )
     packing: bool = Field(
         True, description="Concatenate samples into max_seq_len rows, attention kept within each sample."
     )
@@ -147,22 +152,30 @@ class TrainingSection(Section):
     )
     warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final lr as a fraction of the peak.")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay (never applied to norms and biases).")
+    weight_decay: float = Field(
+        0.0, ge=0.0, description="AdamW weight decay (never applied to norms and biases)."
+    )
     adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW beta1, beta2.")
     adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
-    max_grad_norm: float | None = Field(1.0, description="Clip the global gradient norm to this (null: no clipping).")
+    max_grad_norm: float | None = Field(
+        1.0, description="Clip the global gradient norm to this (null: no clipping)."
+    )
     precision: Literal["bf16", "bf16-mixed", "fp32"] = Field(
         "bf16",
         description="bf16: bf16 weights and optimizer; bf16-mixed: fp32 master weights + bf16 autocast; fp32.",
     )
-    activation_checkpointing: bool = Field(False, description="Recompute each decoder layer in backward (non-reentrant).")
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer in backward (non-reentrant)."
+    )
     compile: bool = Field(False, description="torch.compile each decoder layer.")
     eval_every: int | None = Field(None, gt=0, description="Evaluate on the validation split every N steps.")
     eval_max_batches: int | None = Field(None, gt=0, description="Cap the batches per evaluation.")
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="NaN/inf loss or grad norm: save the last good state and stop, or skip the step."
     )
-    device: Literal["auto", "cuda", "cpu"] = Field("auto", description="Where to train; auto picks CUDA when present.")
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Where to train; auto picks CUDA when present."
+    )
 
 
 class KernelsSection(Section):
@@ -173,7 +186,8 @@ class KernelsSection(Section):
     geglu: bool = Field(True, description="Triton GeGLU (tanh GELU) activation in the MLP (Gemma).")
     cross_entropy: bool = Field(False, description="Triton cross entropy over materialised logits.")
     fused_linear_cross_entropy: bool = Field(
-        True, description="lm_head + cross entropy fused in chunks; logits are never materialised in training."
+        True,
+        description="lm_head + cross entropy fused in chunks; logits are never materialised in training.",
     )
 
     @model_validator(mode="after")
@@ -196,7 +210,9 @@ class KernelsSection(Section):
 
 
 class FSDPOptions(Section):
-    reshard_after_forward: bool = Field(True, description="Free gathered parameters after forward (ZeRO-3 style).")
+    reshard_after_forward: bool = Field(
+        True, description="Free gathered parameters after forward (ZeRO-3 style)."
+    )
     cpu_offload: bool = Field(False, description="Keep sharded parameters and gradients on the CPU.")
     mixed_precision: bool = Field(True, description="bf16 parameters in compute, fp32 gradient reduction.")
 
@@ -213,7 +229,9 @@ class ParallelSection(Section):
         "none", description="none (one device), ddp, fsdp (FSDP2 fully_shard) or deepspeed (ZeRO)."
     )
     fsdp: FSDPOptions = Field(default_factory=FSDPOptions, description="Options for strategy fsdp.")
-    deepspeed: DeepSpeedOptions = Field(default_factory=DeepSpeedOptions, description="Options for strategy deepspeed.")
+    deepspeed: DeepSpeedOptions = Field(
+        default_factory=DeepSpeedOptions, description="Options for strategy deepspeed."
+    )
 
 
 class LoggingSection(Section):
@@ -221,35 +239,55 @@ class LoggingSection(Section):
     progress: Literal["auto", "rich", "plain"] = Field(
         "auto", description="auto: a rich progress bar on a terminal, plain lines otherwise."
     )
-    tensorboard: bool = Field(False, description="Also write TensorBoard scalars (needs tensorboard installed).")
+    tensorboard: bool = Field(
+        False, description="Also write TensorBoard scalars (needs tensorboard installed)."
+    )
     throughput_warmup_steps: int = Field(2, ge=0, description="Steps left out of tokens/s and MFU averages.")
 
 
 class CheckpointSection(Section):
-    every_steps: int | None = Field(None, gt=0, description="Save a resumable checkpoint every N steps (and at the end).")
+    every_steps: int | None = Field(
+        None, gt=0, description="Save a resumable checkpoint every N steps (and at the end)."
+    )
     keep_last: int = Field(2, gt=0, description="Resumable checkpoints to keep; older ones are deleted.")
     save_final: bool = Field(
-        True, description="Save a resumable checkpoint when the run ends (a stop by SIGTERM/SIGINT always saves)."
+        True,
+        description="Save a resumable checkpoint when the run ends (a stop by SIGTERM/SIGINT always saves).",
     )
-    resume: str = Field("auto", description="auto (newest complete checkpoint in output_dir), none, or a checkpoint path.")
-    export_hf: bool = Field(True, description="Write a Hugging Face model (safetensors + config + tokenizer) at the end.")
+    resume: str = Field(
+        "auto", description="auto (newest complete checkpoint in output_dir), none, or a checkpoint path."
+    )
+    export_hf: bool = Field(
+        True, description="Write a Hugging Face model (safetensors + config + tokenizer) at the end."
+    )
 
 
 class Recipe(Section):
     name: str = Field("run", description="Run name; also the default output directory under runs/.")
     description: str = Field("", description="One line shown by `ligertune recipes`.")
     seed: int = Field(42, description="Seed for weights (random init), data order and dropout.")
-    output_dir: str | None = Field(None, description="Where checkpoints, metrics and the export go (default runs/<name>).")
+    output_dir: str | None = Field(
+        None, description="Where checkpoints, metrics and the export go (default runs/<name>)."
+    )
     model: ModelSection = Field(description="What to train.")
-    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection, description="Tokenizer source and padding.")
+    tokenizer: TokenizerSection = Field(
+        default_factory=TokenizerSection, description="Tokenizer source and padding."
+    )
     data: DataSection = Field(description="Dataset, format and sequence layout.")
-    training: TrainingSection = Field(default_factory=TrainingSection, description="Optimizer, schedule and loop.")
+    training: TrainingSection = Field(
+        default_factory=TrainingSection, description="Optimizer, schedule and loop."
+    )
     kernels: KernelsSection = Field(
-        default_factory=KernelsSection, description="Which Triton kernels to patch in: all, none, or per kernel."
+        default_factory=KernelsSection,
+        description="Which Triton kernels to patch in: all, none, or per kernel.",
     )
     parallel: ParallelSection = Field(default_factory=ParallelSection, description="Multi-GPU strategy.")
-    logging: LoggingSection = Field(default_factory=LoggingSection, description="Metrics and progress output.")
-    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection, description="Saving and resuming.")
+    logging: LoggingSection = Field(
+        default_factory=LoggingSection, description="Metrics and progress output."
+    )
+    checkpoint: CheckpointSection = Field(
+        default_factory=CheckpointSection, description="Saving and resuming."
+    )
 
     # The directory the recipe file lives in: relative paths resolve against it.
     _base_dir: Path | None = None
@@ -316,7 +354,11 @@ def _model_at(loc: tuple, root: type[BaseModel] = Recipe) -> type[BaseModel] | N
             return None
         annotation = model.model_fields[part].annotation
         model = next(
-            (a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type) and issubclass(a, BaseModel)),
+            (
+                a
+                for a in getattr(annotation, "__args__", (annotation,))
+                if isinstance(a, type) and issubclass(a, BaseModel)
+            ),
             annotation,
         )
     return model if isinstance(model, type) and issubclass(model, BaseModel) else None
@@ -376,7 +418,11 @@ def _check_compatibility(recipe: Recipe) -> list[str]:
         )
     if recipe.parallel.strategy != "deepspeed" and recipe.parallel.deepspeed.config:
         problems.append("parallel.deepspeed.config is set but parallel.strategy is not deepspeed")
-    if recipe.training.device == "cpu" and recipe.training.precision != "fp32" and recipe.parallel.strategy != "none":
+    if (
+        recipe.training.device == "cpu"
+        and recipe.training.precision != "fp32"
+        and recipe.parallel.strategy != "none"
+    ):
         problems.append("training.precision: multi-process CPU runs (gloo) need fp32")
     if recipe.model.config is not None and isinstance(recipe.model.config, str):
         from ligertune.configs import SHIPPED_CONFIGS
@@ -388,7 +434,11 @@ def _check_compatibility(recipe: Recipe) -> list[str]:
                 f"model.config: unknown shipped config {recipe.model.config!r}{hint} "
                 f"(shipped: {', '.join(SHIPPED_CONFIGS)})"
             )
-    if recipe.model.config is not None and isinstance(recipe.model.config, dict) and "model_type" not in recipe.model.config:
+    if (
+        recipe.model.config is not None
+        and isinstance(recipe.model.config, dict)
+        and "model_type" not in recipe.model.config
+    ):
         problems.append("model.config: a config mapping needs model_type (e.g. llama, qwen2, gemma2)")
     if recipe.parallel.deepspeed.offload_params and recipe.parallel.deepspeed.zero_stage != 3:
         problems.append("parallel.deepspeed.offload_params needs parallel.deepspeed.zero_stage: 3")
@@ -397,7 +447,9 @@ def _check_compatibility(recipe: Recipe) -> list[str]:
 
 def validate_recipe(raw: Any, source: str | None = None, base_dir: Path | None = None) -> Recipe:
     if not isinstance(raw, dict):
-        raise RecipeError([f"the recipe must be a YAML mapping of sections, got {type(raw).__name__}"], source)
+        raise RecipeError(
+            [f"the recipe must be a YAML mapping of sections, got {type(raw).__name__}"], source
+        )
     try:
         recipe = Recipe.model_validate(raw)
     except ValidationError as e:
@@ -414,9 +466,14 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     path = Path(path)
     if not path.exists():
         shipped = Path(__file__).resolve().parent.parent / "recipes" / path.name
-        raise RecipeError([f"recipe file not found: {path}"] + (
-            [f"a shipped recipe has that name: {shipped}"] if shipped.exists() and shipped != path.resolve() else []
-        ))
+        raise RecipeError(
+            [f"recipe file not found: {path}"]
+            + (
+                [f"a shipped recipe has that name: {shipped}"]
+                if shipped.exists() and shipped != path.resolve()
+                else []
+            )
+        )
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError:
@@ -434,4 +491,3 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
 
 def recipe_to_yaml(recipe: Recipe) -> str:
     return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)
-

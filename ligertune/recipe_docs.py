@@ -68,7 +68,9 @@ def _sections(model: type[BaseModel], prefix: str):
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             children.append((f"{prefix}{name}", annotation, field.description))
             continue
-        rows.append(f"| `{prefix}{name}` | {_type_name(annotation)} | {_default(field)} | {field.description} |")
+        rows.append(
+            f"| `{prefix}{name}` | {_type_name(annotation)} | {_default(field)} | {field.description} |"
+        )
     yield prefix.rstrip(".") or "top level", rows
     for path, child, _ in children:
         yield from _sections(child, f"{path}.")

@@ -534,7 +534,9 @@ def _train(recipe: Recipe, runtime: Runtime, on_step_end) -> TrainResult:
 
             # The end, or a stop: save (unless this step is saved already) so the job can resume.
             # A stop by signal always saves; the end of the run only when checkpoint.save_final.
-            if (recipe.checkpoint.save_final or stop_signal is not None) and last_saved != checkpoints.path_for(step):
+            if (
+                recipe.checkpoint.save_final or stop_signal is not None
+            ) and last_saved != checkpoints.path_for(step):
                 last_saved = save_checkpoint(step, (epoch, batch_index))
 
         if step >= total_steps and stop_signal is None:

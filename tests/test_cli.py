@@ -14,7 +14,11 @@ BROKEN = Path(__file__).resolve().parent / "recipes"
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "ligertune", *args], capture_output=True, text=True, cwd=cwd or ROOT, timeout=120
+        [sys.executable, "-m", "ligertune", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        timeout=120,
     )
 
 
@@ -25,7 +29,9 @@ def test_validate_shipped_recipe_prints_resolved_yaml():
     assert "strategy: fsdp" in proc.stdout
 
 
-@pytest.mark.parametrize("name", ["unknown_key.yaml", "missing_file.yaml", "not_yaml.yaml", "loss_kernel_conflict.yaml"])
+@pytest.mark.parametrize(
+    "name", ["unknown_key.yaml", "missing_file.yaml", "not_yaml.yaml", "loss_kernel_conflict.yaml"]
+)
 def test_validate_broken_recipe_exits_2_without_traceback(name):
     proc = cli("validate", str(BROKEN / name))
     assert proc.returncode == 2

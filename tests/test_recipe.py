@@ -66,13 +66,20 @@ def test_every_hub_recipe_has_an_offline_bench_variant():
     for name in names:
         recipe = load_recipe(ROOT / "recipes" / f"{name}.yaml")
         if recipe.model.name_or_path is not None:
-            assert f"{name}-bench" in names, f"{name} needs a {name}-bench variant that runs without hub access"
+            assert f"{name}-bench" in names, (
+                f"{name} needs a {name}-bench variant that runs without hub access"
+            )
 
 
 def test_overrides_are_yaml_typed_and_validated():
     recipe = load_recipe(
         ROOT / "recipes" / "llama3.2-1b-alpaca.yaml",
-        ["training.lr=2e-5", "kernels.rope=false", "data.max_seq_len=4096", "training.adam_betas=[0.9, 0.99]"],
+        [
+            "training.lr=2e-5",
+            "kernels.rope=false",
+            "data.max_seq_len=4096",
+            "training.adam_betas=[0.9, 0.99]",
+        ],
     )
     assert recipe.training.lr == 2e-5
     assert recipe.kernels.rope is False and recipe.kernels.rms_norm is True

@@ -270,8 +270,8 @@ def test_built_model_keeps_packed_samples_apart():
 def test_bad_setups_fail_before_any_work(tmp_path, monkeypatch):
     with pytest.raises(RecipeError, match="training.precision=fp32"):
         train(tiny_recipe(tmp_path, "training.precision=bf16", "training.device=cpu"))
-    with pytest.raises(RecipeError, match="ddp is not implemented yet"):
-        create_runtime(tiny_recipe(tmp_path, "parallel.strategy=ddp"))
+    with pytest.raises(RecipeError, match="multi-process CPU runs \\(gloo\\) need fp32"):
+        tiny_recipe(tmp_path, "parallel.strategy=ddp", "training.precision=bf16-mixed", "training.device=cpu")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RecipeError, match="launched as one of 2"):
         create_runtime(tiny_recipe(tmp_path))
