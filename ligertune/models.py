@@ -180,11 +180,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def prepare_for_training(model: nn.Module, recipe: Recipe) -> str | None:
+def prepare_for_training(model: nn.Module, recipe: Recipe):
     """Kernel patching, activation checkpointing and compilation, in that order, in place.
 
     Patching comes first so that checkpointing and compilation see the final modules.
-    Returns the patch report (None when every kernel is off).
+    Returns the `ligertune.patching.PatchReport` (None when every kernel is off).
     """
     report = None
     enabled = recipe.kernels.enabled()
@@ -199,7 +199,7 @@ def prepare_for_training(model: nn.Module, recipe: Recipe) -> str | None:
                     f"kernels: {', '.join(enabled)} asked for, but kernels are not available yet; set kernels: none"
                 ]
             ) from None
-        report = str(patch_model(model, recipe.kernels))
+        report = patch_model(model, recipe.kernels)
     model.train()
     if recipe.training.activation_checkpointing:
         if not model.supports_gradient_checkpointing:

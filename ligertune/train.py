@@ -428,7 +428,7 @@ def _train(recipe: Recipe, runtime: Runtime, on_step_end) -> TrainResult:
         )
         for message in (patch_report, resumed_message):
             if message:
-                log(message)
+                log(str(message))
         metrics.write(
             {
                 "event": "start",
@@ -439,6 +439,9 @@ def _train(recipe: Recipe, runtime: Runtime, on_step_end) -> TrainResult:
                 "device": str(device),
                 "parameters": parameters,
                 "flops_per_token": model_flops,
+                "kernels_patched": {k: n for k, n in patch_report.patched.items() if n}
+                if patch_report
+                else {},
             }
         )
     throughput = Throughput(

@@ -416,6 +416,7 @@ def test_export_round_trip_and_metrics_file(tmp_path):
     records = read_metrics(tmp_path)
     events = [r["event"] for r in records]
     assert events[0] == "start" and events[-1] == "summary"
+    assert records[0]["kernels_patched"] == {}, "kernels: none patches nothing"
     train_records = [r for r in records if r["event"] == "train"]
     assert [r["step"] for r in train_records] == [2, 4, 6]
     fields = {
@@ -522,8 +523,16 @@ def test_quickstart_runs_from_the_cli(tmp_path):
     assert proc.returncode == 0, output
     assert "step 4/4" in output and "run summary" in output
     assert (tmp_path / "final" / "config.json").is_file() and (tmp_path / "checkpoints" / "step-4").is_dir()
-    summary = read_metrics(tmp_path)[-1]
-    assert summary["event"] == "summary" and summary["steps"] == 4
+    records = read_metrics(tmp_path)
+    assert records[-1]["event"] == "summary" and records[-1]["steps"] == 4
+    # The quickstart's tiny Llama (2 layers): 2 × 2 layer norms + the final norm, one attention
+    # and one MLP per layer, one lm_head.
+    assert records[0]["kernels_patched"] == {
+        "rms_norm": 5,
+        "rope": 2,
+        "swiglu": 2,
+        "fused_linear_cross_entropy": 1,
+    }
 
 
 def test_cli_reports_bad_input_with_status_2(tmp_path):
