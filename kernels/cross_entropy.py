@@ -389,6 +389,37 @@ def reduce_rows(
     return loss, z, acc
 
 
+def row_outputs(n_rows: int, device: torch.device, with_accuracy: bool):
+    """Fresh fp32 per-row outputs for ``launch_cross_entropy``: (loss_rows, z_rows, correct_rows or None)."""
+    f32 = dict(dtype=torch.float32, device=device)
+    correct_rows = torch.empty(n_rows, **f32) if with_accuracy else None
+    return torch.empty(n_rows, **f32), torch.empty(n_rows, **f32), correct_rows
+
+
+def finish_forward(ctx, rows, scale: torch.Tensor, n_valid: torch.Tensor, opts: CEOptions):
+    """The end of an autograd ``forward`` that computed its gradients in the forward pass.
+
+    Reduces the per-row outputs ``rows`` (as from ``row_outputs``), marks z_loss and
+    token_accuracy as non-differentiable (reported values: the z-loss gradient is already part of
+    the loss's) and arms the run-once guard of ``claim_backward``.
+    """
+    loss, z, acc = reduce_rows(*rows, scale, n_valid, opts)
+    ctx.backward_done = False
+    ctx.mark_non_differentiable(*(t for t in (z, acc) if t is not None))
+    return loss, z, acc
+
+
+def claim_backward(ctx, name: str) -> None:
+    """Let ``backward`` run once per forward: it scales the stored gradients in place, so a second
+    run (``retain_graph=True`` then backward again, or double backward) would scale them twice."""
+    if ctx.backward_done:
+        raise RuntimeError(
+            f"{name}'s backward ran twice: its gradients are computed once and scaled in place; "
+            f"retain_graph / double backward are not supported (use {name}_reference for that)"
+        )
+    ctx.backward_done = True
+
+
 def package(loss, z_loss, token_accuracy, opts: CEOptions):
     """The public return convention: the loss alone, or a ``CrossEntropyOutput``."""
     if opts.return_z_loss or opts.return_token_accuracy:
@@ -487,13 +518,15 @@ def host_count(num_items_in_batch):
     return num_items_in_batch
 
 
-def _check_logits(logits: torch.Tensor) -> None:
+def _logits_options(logits: torch.Tensor, target, weight, **options) -> CEOptions:
+    """``check_options`` preceded by the checks of the logits themselves."""
     if logits.dim() != 2:
         raise ValueError(
             f"logits have shape {tuple(logits.shape)}; expected [N, V]: flatten with .reshape(-1, logits.shape[-1])"
         )
     if not logits.dtype.is_floating_point:
         raise ValueError(f"logits have dtype {logits.dtype}; expected a floating dtype (bf16, fp16, fp32)")
+    return check_options(*logits.shape, logits.device, target, weight, **options)
 
 
 # --------------------------------------------------------------------------------------------
@@ -506,10 +539,8 @@ class _CrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, logits, target, class_weight, opts, num_items, inplace, grad_enabled):
         compute_grad = grad_enabled and ctx.needs_input_grad[0]
         n_rows, n_cols = logits.shape
-        f32 = dict(dtype=torch.float32, device=logits.device)
         scale, n_valid = reduction_scale(target, class_weight, opts, num_items, n_cols)
-        loss_rows, z_rows = torch.empty(n_rows, **f32), torch.empty(n_rows, **f32)
-        correct_rows = torch.empty(n_rows, **f32) if opts.return_token_accuracy else None
+        loss_rows, z_rows, correct_rows = row_outputs(n_rows, logits.device, opts.return_token_accuracy)
         grad = None
         if compute_grad:
             grad = logits if inplace else torch.empty_like(logits)
@@ -525,20 +556,12 @@ class _CrossEntropyFunction(torch.autograd.Function):
             grad=grad,
             grad_scale=scale,
         )
-        loss, z, acc = reduce_rows(loss_rows, z_rows, correct_rows, scale, n_valid, opts)
         ctx.save_for_backward(grad)
-        ctx.backward_done = False
-        ctx.mark_non_differentiable(*(t for t in (z, acc) if t is not None))
-        return loss, z, acc
+        return finish_forward(ctx, (loss_rows, z_rows, correct_rows), scale, n_valid, opts)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z, _grad_acc):
-        if ctx.backward_done:
-            raise RuntimeError(
-                "cross_entropy's backward ran twice: the gradient is stored once and scaled in place; "
-                "retain_graph / double backward are not supported (use cross_entropy_reference for that)"
-            )
-        ctx.backward_done = True
+        claim_backward(ctx, "cross_entropy")
         (grad,) = ctx.saved_tensors
         scale_rows_(grad, grad_loss)
         return grad, None, None, None, None, None, None
@@ -582,12 +605,8 @@ def cross_entropy(
     Returns:
         The fp32 loss, or ``CrossEntropyOutput(loss, z_loss, token_accuracy)`` when a return flag is set.
     """
-    _check_logits(logits)
-    n_rows, n_cols = logits.shape
-    opts = check_options(
-        n_rows,
-        n_cols,
-        logits.device,
+    opts = _logits_options(
+        logits,
         target,
         weight,
         ignore_index=ignore_index,
@@ -600,19 +619,7 @@ def cross_entropy(
         return_token_accuracy=return_token_accuracy,
     )
     if not use_triton(logits):
-        return cross_entropy_reference(
-            logits,
-            target,
-            weight=weight,
-            ignore_index=ignore_index,
-            label_smoothing=label_smoothing,
-            lse_square_scale=lse_square_scale,
-            softcap=softcap,
-            reduction=reduction,
-            num_items_in_batch=num_items_in_batch,
-            return_z_loss=return_z_loss,
-            return_token_accuracy=return_token_accuracy,
-        )
+        return reference_loss(logits, target, weight, opts, num_items_in_batch)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     loss, z, acc = _CrossEntropyFunction.apply(
@@ -645,12 +652,8 @@ def cross_entropy_reference(
     """Pure-PyTorch ``cross_entropy`` with the same arguments and results (``inplace_backward`` is
     ignored). Computes in fp32 (fp64 for fp64 logits) through ``log_softmax``; differentiable by
     autograd. The CPU fallback of ``cross_entropy`` and the reference of its tests."""
-    _check_logits(logits)
-    n_rows, n_cols = logits.shape
-    opts = check_options(
-        n_rows,
-        n_cols,
-        logits.device,
+    opts = _logits_options(
+        logits,
         target,
         weight,
         ignore_index=ignore_index,
@@ -662,31 +665,44 @@ def cross_entropy_reference(
         return_z_loss=return_z_loss,
         return_token_accuracy=return_token_accuracy,
     )
+    return reference_loss(logits, target, weight, opts, num_items_in_batch)
+
+
+def reference_loss(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    opts: CEOptions,
+    num_items_in_batch: int | torch.Tensor | None,
+):
+    """The math of ``cross_entropy_reference`` on inputs already validated by ``check_options``
+    (also the CPU fallback of ``cross_entropy`` and of the fused linear cross entropy)."""
+    n_cols = logits.shape[1]
     x = logits if logits.dtype == torch.float64 else logits.float()
-    if softcap is not None:
-        x = softcap * torch.tanh(x / softcap)
+    if opts.softcap is not None:
+        x = opts.softcap * torch.tanh(x / opts.softcap)
     lse = torch.logsumexp(x, dim=-1)
     logp = x - lse[:, None]
-    valid = target != ignore_index
+    valid = target != opts.ignore_index
     safe_target = torch.where(valid, target, 0).long()
     eps = opts.label_smoothing
-    if weight is None:
+    if class_weight is None:
         w_y = torch.ones_like(lse)
         smooth = -logp.sum(-1)
     else:
-        w = weight.to(x.dtype)
+        w = class_weight.to(x.dtype)
         w_y = w[safe_target]
         smooth = -(logp * w).sum(-1)
     nll = -logp.gather(1, safe_target[:, None]).squeeze(1) * w_y
     z_rows = torch.where(valid, opts.lse_square_scale * lse.square(), 0.0)
     loss_rows = torch.where(valid, (1.0 - eps) * nll + (eps / n_cols) * smooth, 0.0) + z_rows
-    correct = (valid & (logits.argmax(-1) == target)).to(x.dtype) if return_token_accuracy else None
+    correct = (valid & (logits.argmax(-1) == target)).to(x.dtype) if opts.return_token_accuracy else None
 
-    if reduction == "none":
-        return package(loss_rows, z_rows if return_z_loss else None, correct, opts)
+    if opts.reduction == "none":
+        return package(loss_rows, z_rows if opts.return_z_loss else None, correct, opts)
     if num_items_in_batch is not None:
         denom = torch.as_tensor(num_items_in_batch, device=x.device).to(x.dtype)
-    elif reduction == "mean":
+    elif opts.reduction == "mean":
         denom = torch.where(valid, w_y, 0.0).sum()
     else:
         denom = torch.ones((), dtype=x.dtype, device=x.device)
@@ -694,7 +710,7 @@ def cross_entropy_reference(
     # gradients through torch.where, multiplying by 0 gives zeros.
     scale = torch.where(denom > 0, 1.0 / denom, 0.0)
     loss = loss_rows.sum() * scale
-    z_loss = z_rows.sum() * scale if return_z_loss else None
+    z_loss = z_rows.sum() * scale if opts.return_z_loss else None
     acc = correct.sum() / valid.sum().clamp_min(1) if correct is not None else None
     return package(loss, z_loss, acc, opts)
 

@@ -56,13 +56,16 @@ import torch.nn.functional as F
 
 from ._utils import use_triton
 from .cross_entropy import (
+    CEOptions,
     check_options,
-    cross_entropy_reference,
+    claim_backward,
+    finish_forward,
     host_count,
     launch_cross_entropy,
     package,
-    reduce_rows,
     reduction_scale,
+    reference_loss,
+    row_outputs,
     scale_rows_,
 )
 
@@ -151,7 +154,6 @@ def _sweep(
     n_cols = weight.shape[0]
     want_dh, want_dw, want_db = want_grads if grad_scale is not None else (False, False, False)
     compute_grad = want_dh or want_dw or want_db
-    f32 = dict(dtype=torch.float32, device=hidden.device)
 
     rows = chunk_rows(n_rows, n_cols, hidden.element_size(), budget)
     single_chunk = rows >= n_rows
@@ -165,15 +167,14 @@ def _sweep(
         rows = chunk_rows(n_rows, n_cols, 2 * hidden.element_size(), budget)
     buffer = hidden.new_empty(rows, n_cols)
 
-    loss_rows, z_rows = torch.empty(n_rows, **f32), torch.empty(n_rows, **f32)
-    correct_rows = torch.empty(n_rows, **f32) if compute_acc else None
+    loss_rows, z_rows, correct_rows = row_outputs(n_rows, hidden.device, compute_acc)
     dh = torch.empty_like(hidden) if want_dh else None
     dw = None
     if want_dw:
         dw = torch.empty(
             n_cols, n_hidden, dtype=weight.dtype if single_chunk else accum_dtype, device=hidden.device
         )
-    db = torch.zeros(n_cols, **f32) if want_db else None
+    db = torch.zeros(n_cols, dtype=torch.float32, device=hidden.device) if want_db else None
 
     for start in range(0, n_rows, rows):
         end = min(start + rows, n_rows)
@@ -240,25 +241,17 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
             accum_dtype=accum_dtype,
             budget=budget,
         )
-        loss, z, acc = reduce_rows(*rows, scale, n_valid, opts)
         ctx.deferred = deferred
-        ctx.backward_done = False
         if deferred:
             ctx.save_for_backward(hidden, weight, target, bias, class_weight)
             ctx.sweep_args = dict(opts=opts, want_grads=want, accum_dtype=accum_dtype, budget=budget)
         else:
             ctx.save_for_backward(*grads)
-        ctx.mark_non_differentiable(*(t for t in (z, acc) if t is not None))
-        return loss, z, acc
+        return finish_forward(ctx, rows, scale, n_valid, opts)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z, _grad_acc):
-        if ctx.backward_done:
-            raise RuntimeError(
-                "fused_linear_cross_entropy's backward ran twice: the gradients are stored once and scaled in "
-                "place; retain_graph / double backward are not supported (use the reference for that)"
-            )
-        ctx.backward_done = True
+        claim_backward(ctx, "fused_linear_cross_entropy")
         if ctx.deferred:
             hidden, weight, target, bias, class_weight = ctx.saved_tensors
             _, (dh, dw, db) = _sweep(
@@ -316,6 +309,19 @@ def _check_linear(hidden, weight, bias, accum_dtype, memory_budget_bytes):
         )
 
 
+def _ce_options(hidden, weight, target, class_weight, **options) -> CEOptions:
+    """``check_options`` for the logits ``hidden @ weight.T`` [N, V] that are never materialised."""
+    return check_options(
+        hidden.shape[0],
+        weight.shape[0],
+        hidden.device,
+        target,
+        class_weight,
+        weight_name="class_weight",
+        **options,
+    )
+
+
 def fused_linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -358,7 +364,11 @@ def fused_linear_cross_entropy(
         hidden, weight = hidden.to(dtype), weight.to(dtype)
         bias = None if bias is None else bias.to(dtype)
     _check_linear(hidden, weight, bias, accum_dtype, memory_budget_bytes)
-    ce_kwargs = dict(
+    opts = _ce_options(
+        hidden,
+        weight,
+        target,
+        class_weight,
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
         lse_square_scale=lse_square_scale,
@@ -368,19 +378,8 @@ def fused_linear_cross_entropy(
         return_z_loss=return_z_loss,
         return_token_accuracy=return_token_accuracy,
     )
-    opts = check_options(
-        hidden.shape[0],
-        weight.shape[0],
-        hidden.device,
-        target,
-        class_weight,
-        weight_name="class_weight",
-        **ce_kwargs,
-    )
     if not use_triton(hidden, weight):
-        return fused_linear_cross_entropy_reference(
-            hidden, weight, target, bias, class_weight=class_weight, **ce_kwargs
-        )
+        return _linear_reference(hidden, weight, target, bias, class_weight, opts, num_items_in_batch)
     with torch.autocast(device_type, enabled=False):
         loss, z, acc = _FusedLinearCrossEntropyFunction.apply(
             hidden.contiguous(),
@@ -421,10 +420,11 @@ def fused_linear_cross_entropy_reference(
     ``memory_budget_bytes`` are validated for signature compatibility and have no effect.
     """
     _check_linear(hidden, weight, bias, accum_dtype, memory_budget_bytes)
-    return cross_entropy_reference(
-        F.linear(hidden, weight, bias),
+    opts = _ce_options(
+        hidden,
+        weight,
         target,
-        weight=class_weight,
+        class_weight,
         ignore_index=ignore_index,
         label_smoothing=label_smoothing,
         lse_square_scale=lse_square_scale,
@@ -434,3 +434,9 @@ def fused_linear_cross_entropy_reference(
         return_z_loss=return_z_loss,
         return_token_accuracy=return_token_accuracy,
     )
+    return _linear_reference(hidden, weight, target, bias, class_weight, opts, num_items_in_batch)
+
+
+def _linear_reference(hidden, weight, target, bias, class_weight, opts: CEOptions, num_items_in_batch):
+    """The pure-PyTorch math on validated inputs: the reference, and the fallback where Triton cannot run."""
+    return reference_loss(F.linear(hidden, weight, bias), target, class_weight, opts, num_items_in_batch)
