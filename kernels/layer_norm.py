@@ -27,26 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._utils import use_triton
-from .rms_norm import _row_norm_backward, _row_norm_forward
-
-
-def _check_args(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> None:
-    if not x.is_floating_point():
-        raise TypeError(f"layer_norm input must be a floating-point tensor, got {x.dtype}")
-    if x.dim() == 0:
-        raise ValueError("layer_norm input must have at least one dimension (the hidden size is the last)")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    for name, p in (("weight", weight), ("bias", bias)):
-        if p is None:
-            continue
-        if p.dim() != 1 or p.shape[0] != x.shape[-1]:
-            raise ValueError(
-                f"{name} has shape {tuple(p.shape)} but the input's last (normalised) dimension is "
-                f"{x.shape[-1]}: the {name} must be 1-D of that size"
-            )
-        if p.device != x.device:
-            raise ValueError(f"{name} is on {p.device} but the input is on {x.device}; move one of them")
+from .rms_norm import _row_norm_backward, _row_norm_forward, check_norm_args
 
 
 class _LayerNormFunction(torch.autograd.Function):
@@ -73,7 +54,7 @@ def layer_norm_reference(
     x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5
 ) -> torch.Tensor:
     """LayerNorm in plain PyTorch: fp32 math (any mix of input/parameter dtypes), output in x's dtype."""
-    _check_args(x, weight, bias, eps)
+    check_norm_args("layer_norm", x, eps, weight=weight, bias=bias)
     y = F.layer_norm(
         x.float(),
         (x.shape[-1],),
@@ -88,7 +69,7 @@ def layer_norm(
     x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, eps: float = 1e-5
 ) -> torch.Tensor:
     """LayerNorm over the last dimension of ``x`` (any leading shape; ``weight``/``bias`` optional)."""
-    _check_args(x, weight, bias, eps)
+    check_norm_args("layer_norm", x, eps, weight=weight, bias=bias)
     params = [p for p in (weight, bias) if p is not None]
     if not use_triton(x, *params):
         return layer_norm_reference(x, weight, bias, eps)

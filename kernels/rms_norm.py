@@ -483,6 +483,27 @@ def _row_norm_backward(
 # --------------------------------------------------------------------------------------------
 
 
+def check_norm_args(op: str, x: torch.Tensor, eps: float, **params: torch.Tensor | None) -> None:
+    """The checks every row norm (``op``: "rms_norm", "layer_norm") makes of its input, its ``eps``
+    and its per-feature parameters ``params`` (name → 1-D tensor of the hidden size, or None)."""
+    if not x.is_floating_point():
+        raise TypeError(f"{op} input must be a floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise ValueError(f"{op} input must have at least one dimension (the hidden size is the last)")
+    if eps < 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+    for name, p in params.items():
+        if p is None:
+            continue
+        if p.dim() != 1 or p.shape[0] != x.shape[-1]:
+            raise ValueError(
+                f"{name} has shape {tuple(p.shape)} but the input's last (normalised) dimension is "
+                f"{x.shape[-1]}: the {name} must be 1-D of that size"
+            )
+        if p.device != x.device:
+            raise ValueError(f"{name} is on {p.device} but the input is on {x.device}; move one of them")
+
+
 def _check_args(
     x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str
 ) -> None:
@@ -491,25 +512,9 @@ def _check_args(
             f"casting_mode={casting_mode!r} is not one of {CASTING_MODES}: 'llama' for Llama/Qwen/Mistral "
             "norms (x·rstd rounded to the input dtype, then × weight), 'gemma' for Gemma (all fp32)"
         )
-    if not x.is_floating_point():
-        raise TypeError(f"rms_norm input must be a floating-point tensor, got {x.dtype}")
-    if x.dim() == 0:
-        raise ValueError("rms_norm input must have at least one dimension (the hidden size is the last)")
-    if eps < 0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if weight is None:
-        if offset != 0.0:
-            raise ValueError(
-                f"offset={offset} shifts the weight, but weight is None; pass a weight or offset=0"
-            )
-        return
-    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(
-            f"weight has shape {tuple(weight.shape)} but the input's last (normalised) dimension is "
-            f"{x.shape[-1]}: the weight must be 1-D of that size"
-        )
-    if weight.device != x.device:
-        raise ValueError(f"weight is on {weight.device} but the input is on {x.device}; move one of them")
+    check_norm_args("rms_norm", x, eps, weight=weight)
+    if weight is None and offset != 0.0:
+        raise ValueError(f"offset={offset} shifts the weight, but weight is None; pass a weight or offset=0")
 
 
 def _output_dtype(x: torch.Tensor, weight: torch.Tensor | None, casting_mode: str) -> torch.dtype:
@@ -524,52 +529,57 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor | None, casting_mode: st
 # --------------------------------------------------------------------------------------------
 
 
+def _rms_forward(ctx, x, residual, weight, eps, offset, casting_mode):
+    """Forward of (add+)RMSNorm: returns ``(y, s)`` (``s`` = x + residual, or x) and saves on
+    ``ctx`` what ``_rms_backward`` needs."""
+    llama_cast = casting_mode == "llama"
+    y, s, s2d, _, rstd = _row_norm_forward(
+        x, residual, weight, None, eps, offset, False, llama_cast, _output_dtype(x, weight, casting_mode)
+    )
+    ctx.save_for_backward(s2d, weight, rstd)
+    ctx.offset, ctx.llama_cast, ctx.x_shape = offset, llama_cast, x.shape
+    return y, s
+
+
+def _rms_backward(ctx, dy, weight_index: int, **kwargs):
+    """Backward of ``_rms_forward``: ``(ds in the input's shape, dw or None)``. ``weight_index`` is
+    the weight's position among the forward's inputs; ``kwargs`` go to ``_row_norm_backward``."""
+    s2d, weight, rstd = ctx.saved_tensors
+    compute_dw = weight is not None and ctx.needs_input_grad[weight_index]
+    ds, dw, _ = _row_norm_backward(
+        dy, s2d, weight, None, rstd, ctx.offset, ctx.llama_cast, compute_dw, False, **kwargs
+    )
+    return ds.view(ctx.x_shape), dw
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting_mode, in_place):
-        llama_cast = casting_mode == "llama"
-        y, _, x2d, _, rstd = _row_norm_forward(
-            x, None, weight, None, eps, offset, False, llama_cast, _output_dtype(x, weight, casting_mode)
-        )
-        ctx.save_for_backward(x2d, weight, rstd)
-        ctx.offset, ctx.llama_cast, ctx.in_place, ctx.x_shape = offset, llama_cast, in_place, x.shape
+        y, _ = _rms_forward(ctx, x, None, weight, eps, offset, casting_mode)
+        ctx.in_place = in_place
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x2d, weight, rstd = ctx.saved_tensors
-        compute_dw = weight is not None and ctx.needs_input_grad[1]
-        dx, dw, _ = _row_norm_backward(
-            dy, x2d, weight, None, rstd, ctx.offset, ctx.llama_cast, compute_dw, False, in_place=ctx.in_place
-        )
-        return dx.view(ctx.x_shape), dw, None, None, None, None
+        dx, dw = _rms_backward(ctx, dy, 1, in_place=ctx.in_place)
+        return dx, dw, None, None, None, None
 
 
 class _AddRMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting_mode):
-        llama_cast = casting_mode == "llama"
-        y, s, s2d, _, rstd = _row_norm_forward(
-            x, residual, weight, None, eps, offset, False, llama_cast, _output_dtype(x, weight, casting_mode)
-        )
-        ctx.save_for_backward(s2d, weight, rstd)
-        ctx.offset, ctx.llama_cast, ctx.x_shape = offset, llama_cast, x.shape
+        y, s = _rms_forward(ctx, x, residual, weight, eps, offset, casting_mode)
         # Unused outputs get None gradients instead of materialised zeros (no extra reads).
         ctx.set_materialize_grads(False)
         return y, s
 
     @staticmethod
     def backward(ctx, dy, ds):
-        s2d, weight, rstd = ctx.saved_tensors
         if dy is None:
             # Only new_residual was used: its gradient passes straight to both inputs; the weight
             # had no effect (None reads as zero).
             return ds, ds, None, None, None, None
-        compute_dw = weight is not None and ctx.needs_input_grad[2]
-        dsum, dw, _ = _row_norm_backward(
-            dy, s2d, weight, None, rstd, ctx.offset, ctx.llama_cast, compute_dw, False, dres=ds
-        )
-        dsum = dsum.view(ctx.x_shape)
+        dsum, dw = _rms_backward(ctx, dy, 2, dres=ds)
         # s = x + residual: both inputs receive the same gradient (autograd copies before any
         # in-place accumulation into a shared tensor).
         return dsum, dsum, dw, None, None, None
