@@ -21,14 +21,11 @@ from rich.console import Console
 from ligertune import compare
 from ligertune.compare import CompareError, compare_command, loss_verdict, make_plan, merge_rank_results
 from ligertune.recipe import RecipeError
+from tests.helpers import QUICKSTART, ROOT, TINY_MODEL
 
-ROOT = Path(__file__).resolve().parent.parent
-QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 # The quickstart, shrunk so that an arm trains in seconds under the Triton interpreter.
 SMALL = [
-    "model.config_overrides={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
-    "num_attention_heads: 4, num_key_value_heads: 2}",
-    "data.max_seq_len=64",
+    *TINY_MODEL,
     "data.validation_fraction=0.0",
     "training.micro_batch_size=2",
     "training.warmup_steps=1",

@@ -21,8 +21,8 @@ from ligertune.data import DataError, MicroBatchLoader, build_datasets, load_tok
 from ligertune.data.formats import Sample
 from ligertune.data.packing import build_rows
 from ligertune.recipe import ASSETS_DIR, validate_recipe
+from tests.helpers import ROOT, tiny_llama
 
-ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "data"
 IGNORE = -100
 
@@ -276,19 +276,9 @@ def test_packing_restarts_positions_and_masks_each_first_token(tok):
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_packed_samples_cannot_see_each_other(tok, attn):
     """B's logits are the same packed after A as alone, on a real Llama, with only position_ids."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation=attn,
-    )
-    model = LlamaForCausalLM(config).float().eval()
+    model = tiny_llama(vocab_size=len(tok), hidden_size=64, intermediate_size=96, attn_implementation=attn)
+    model = model.float().eval()
     gen = torch.Generator().manual_seed(1)
     a = torch.randint(5, len(tok), (13,), generator=gen).tolist()
     b = torch.randint(5, len(tok), (11,), generator=gen).tolist()
@@ -616,22 +606,19 @@ def test_bundled_assets_match_their_scripts(script):
 def test_packing_isolation_on_gpu_at_full_length(tok, attn):
     """A full 2048-token packed row of the bundled data on CUDA: every sample's logits match its
     logits alone (fp32, TF32 off)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(0)
-    config = LlamaConfig(
+    model = tiny_llama(
         vocab_size=len(tok),
         hidden_size=256,
         intermediate_size=688,
         num_hidden_layers=4,
         num_attention_heads=8,
-        num_key_value_heads=2,
         max_position_embeddings=2048,
         attn_implementation=attn,
     )
-    model = LlamaForCausalLM(config).cuda().float().eval()
+    model = model.cuda().float().eval()
     recipe = make_recipe(ASSETS_DIR / "alpaca_sample.jsonl", max_seq_len=2048, packing=True, shuffle=True)
     row = build_datasets(recipe, tok).train[0]
     with torch.no_grad():

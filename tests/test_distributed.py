@@ -9,7 +9,8 @@ hidden-64 Llama on the bundled sample at 64 tokens per row, fp32: the strategies
 same sums in another order, so losses agree with one process to ~1e-7 relative, and resumes
 are bit-exact.
 
-The file is also the worker: ``python tests/test_distributed.py SPEC.json`` (under torchrun).
+The file is also the worker: ``python tests/test_distributed.py SPEC.json`` (under torchrun, with
+the repository root on PYTHONPATH for ``tests.helpers``).
 """
 
 from __future__ import annotations
@@ -30,13 +31,11 @@ from ligertune.checkpoint import Checkpoint
 from ligertune.distributed import DeepSpeedRuntime, FSDPRuntime, Runtime, deepspeed_config
 from ligertune.launch import LaunchError, LaunchOptions, check_options, torchrun_command
 from ligertune.recipe import RecipeError, load_recipe
+from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT, TINY_MODEL
 
-ROOT = Path(__file__).resolve().parent.parent
-QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 TINY = [
-    "model.config_overrides={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
-    "num_attention_heads: 4, num_key_value_heads: 2}",
-    "data.max_seq_len=64",
+    *TINY_MODEL,
+    *PLAIN_RUN,
     "data.validation_fraction=0.05",
     "training.warmup_steps=2",
     # AdamW divides by sqrt(v) + eps; with the default 1e-8, a weight whose gradient is ~1e-8
@@ -44,11 +43,6 @@ TINY = [
     # reduction orders would show in the weights. 1e-6 keeps such updates small and smooth.
     "training.adam_eps=1e-6",
     "training.device=cpu",
-    "kernels=none",
-    "logging.log_every=1",
-    "logging.progress=plain",
-    "checkpoint.export_hf=false",
-    "checkpoint.every_steps=null",
 ]
 # 2 ranks × 2 rows × 2 micro-batches = the single process's 4 rows × 2: the same global batch.
 SHAPE_2 = ["training.micro_batch_size=2", "training.gradient_accumulation_steps=2"]
@@ -73,6 +67,8 @@ FP32_RTOL = 1e-5  # measured: the launches agree with one process to 1e-7 (reduc
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
+    # The worker is this file run as a script: it imports tests.helpers from the repository root.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     return env

@@ -6,29 +6,24 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from ligertune import metrics
 from ligertune.metrics import MetricsLogger, RunSummary, Throughput, format_train_line
-
-
-def _tiny_llama(tied: bool) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=48,
-        intermediate_size=80,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=tied,
-    )
-    return LlamaForCausalLM(config)
+from tests.helpers import tiny_llama
 
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_flops_per_token_counts_every_matmul(tied):
-    model = _tiny_llama(tied)
+    model = tiny_llama(
+        vocab_size=300,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=3,
+        num_attention_heads=4,  # the counts below read these sizes
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=tied,
+    )
     V, H, inter, L, heads, kv, hd, S = 300, 48, 80, 3, 4, 2, 16, 37
     # Counted by hand from the architecture: per layer q, k, v, o projections, the three MLP
     # matrices and two norm vectors; then the final norm and the lm_head (V×H, a matmul even

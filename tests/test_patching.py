@@ -220,8 +220,9 @@ def test_patch_twice_is_a_noop():
     assert {n: m.__dict__.get("forward") for n, m in model.named_modules()} == forwards
 
 
-def test_other_models_in_the_process_are_unaffected():
-    originals = (
+def _shared_functions():
+    """The module- and class-level functions every Llama (and every nn.Linear) in the process uses."""
+    return (
         modeling_llama.apply_rotary_pos_emb,
         modeling_llama.LlamaRMSNorm.forward,
         modeling_llama.LlamaMLP.forward,
@@ -230,6 +231,10 @@ def test_other_models_in_the_process_are_unaffected():
         nn.Linear.forward,
         nn.functional.cross_entropy,
     )
+
+
+def test_other_models_in_the_process_are_unaffected():
+    originals = _shared_functions()
     patched = tiny_model("llama")
     bystander = copy.deepcopy(patched)
     batch = random_batch()
@@ -243,15 +248,7 @@ def test_other_models_in_the_process_are_unaffected():
     after = bystander(**batch)
     assert torch.equal(after.logits, before.logits) and torch.equal(after.loss, before.loss)
     assert not any("forward" in m.__dict__ for m in bystander.modules())
-    assert (
-        modeling_llama.apply_rotary_pos_emb,
-        modeling_llama.LlamaRMSNorm.forward,
-        modeling_llama.LlamaMLP.forward,
-        modeling_llama.LlamaAttention.forward,
-        modeling_llama.LlamaForCausalLM.forward,
-        nn.Linear.forward,
-        nn.functional.cross_entropy,
-    ) == originals
+    assert _shared_functions() == originals
 
 
 def test_kernels_none_patches_nothing():

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ligertune.checkpoint import load_checkpoint
 from ligertune.distributed import Runtime, create_runtime
@@ -34,23 +34,16 @@ from ligertune.train import (
     forward_backward,
     train,
 )
+from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT, TINY_MODEL, tiny_llama
 
-ROOT = Path(__file__).resolve().parent.parent
-QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 TINY = [
-    "model.config_overrides={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
-    "num_attention_heads: 4, num_key_value_heads: 2}",
-    "data.max_seq_len=64",
+    *TINY_MODEL,
+    *PLAIN_RUN,
     "data.validation_fraction=0.0",
     "training.micro_batch_size=2",
     "training.gradient_accumulation_steps=1",
     "training.warmup_steps=2",
     "training.eval_every=null",
-    "kernels=none",
-    "logging.log_every=1",
-    "logging.progress=plain",
-    "checkpoint.every_steps=null",
-    "checkpoint.export_hf=false",
 ]
 
 
@@ -101,16 +94,7 @@ def _reference_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> f
 
 def test_accumulation_4x1_equals_1x4_with_unequal_label_counts():
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_bias=True,
-    )
-    model_a = LlamaForCausalLM(config).float()
+    model_a = tiny_llama(vocab_size=512, hidden_size=64, intermediate_size=128, attention_bias=True).float()
     model_a.config.use_cache = False  # as build_model sets it: needed for packed attention
     model_b = copy.deepcopy(model_a)
     batch = _packed_rows(torch.Generator().manual_seed(1), 512, 48)
@@ -213,16 +197,7 @@ def test_linear_and_constant_schedules():
 
 
 def test_weight_decay_skips_norms_and_biases():
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attention_bias=True,
-    )
-    model = LlamaForCausalLM(config)
+    model = tiny_llama(vocab_size=64, hidden_size=32, intermediate_size=48, attention_bias=True)
     recipe = load_recipe(QUICKSTART, ["training.weight_decay=0.1"])
     optimizer = build_optimizer(model, recipe.training, torch.device("cpu"))
     decay_of = {id(p): g["weight_decay"] for g in optimizer.param_groups for p in g["params"]}
@@ -280,15 +255,7 @@ def test_bad_setups_fail_before_any_work(tmp_path, monkeypatch):
 def test_activation_checkpointing_keeps_gradients():
     recipe = load_recipe(QUICKSTART, TINY + ["training.activation_checkpointing=true"])
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    plain = LlamaForCausalLM(config)
+    plain = tiny_llama(vocab_size=256, hidden_size=32, intermediate_size=48)
     plain.config.use_cache = False
     checkpointed = copy.deepcopy(plain)
     prepare_for_training(checkpointed, recipe)

@@ -48,6 +48,15 @@ def _run(fn, hidden, weight, target, bias=None, upstream=None, **kw):
     return out, tuple(None if t is None else t.grad for t in leaves)
 
 
+def _fused_vs_oracle(hidden, weight, target, bias, upstream, fused_kw, **kw):
+    """``_run`` the fused op (with its own arguments ``fused_kw``: budget, accumulation dtype) and
+    the float64 oracle on the same inputs, options ``kw`` and upstream gradient:
+    ``(out, grads), (ref, ref_grads)``."""
+    fused = _run(fused_linear_cross_entropy, hidden, weight, target, bias, upstream.float(), **fused_kw, **kw)
+    ref = _run(_linear_oracle, hidden.double(), weight.double(), target, _double(bias), upstream, **kw)
+    return fused, ref
+
+
 def _inputs(n_rows, n_hidden, n_cols, dtype=torch.float32, bias=True, device="cpu"):
     hidden = fresh_randn(n_rows, n_hidden, dtype=dtype, device=device)
     # Logits of order 1-3, as in a trained model.
@@ -78,18 +87,8 @@ def test_fp32_matches_oracle(reduction, with_bias, options):
         kw.update(ALL_OPTIONS, class_weight=torch.rand(n_cols) + 0.5)
     upstream = _upstream(reduction, n_rows)
     # A budget of 8 rows: chunks of 8, 8 and a last one of 1.
-    out, grads = _run(
-        fused_linear_cross_entropy,
-        hidden,
-        weight,
-        target,
-        bias,
-        upstream.float(),
-        memory_budget_bytes=8 * n_cols * 4,
-        **kw,
-    )
-    ref, ref_grads = _run(
-        _linear_oracle, hidden.double(), weight.double(), target, _double(bias), upstream, **kw
+    (out, grads), (ref, ref_grads) = _fused_vs_oracle(
+        hidden, weight, target, bias, upstream, dict(memory_budget_bytes=8 * n_cols * 4), **kw
     )
     _check_fp32(out, grads, ref, ref_grads)
 
@@ -105,9 +104,8 @@ def test_odd_shapes_one_chunk_and_many(n_cols, budget):
     hidden, weight, bias = _inputs(n_rows, n_hidden, n_cols)
     target = _targets(n_rows, n_cols)
     upstream = _upstream("mean", n_rows)
-    ref, ref_grads = _run(_linear_oracle, hidden.double(), weight.double(), target, bias.double(), upstream)
-    out, grads = _run(
-        fused_linear_cross_entropy, hidden, weight, target, bias, upstream.float(), memory_budget_bytes=budget
+    (out, grads), (ref, ref_grads) = _fused_vs_oracle(
+        hidden, weight, target, bias, upstream, dict(memory_budget_bytes=budget)
     )
     _check_fp32(out, grads, ref, ref_grads)
 
@@ -122,19 +120,14 @@ def test_bf16(accum_dtype, reduction):
     target = _targets(n_rows, n_cols)
     kw = dict(ALL_OPTIONS, reduction=reduction)
     upstream = _upstream(reduction, n_rows)
-    out, grads = _run(
-        fused_linear_cross_entropy,
+    (out, grads), (ref, ref_grads) = _fused_vs_oracle(
         hidden,
         weight,
         target,
         bias,
-        upstream.float(),
-        accum_dtype=accum_dtype,
-        memory_budget_bytes=6 * n_cols * 2,
+        upstream,
+        dict(accum_dtype=accum_dtype, memory_budget_bytes=6 * n_cols * 2),
         **kw,
-    )
-    ref, ref_grads = _run(
-        _linear_oracle, hidden.double(), weight.double(), target, bias.double(), upstream, **kw
     )
     assert rel_err(out, ref) <= BF16_LOSS_REL
     for name, g, r in zip(("hidden", "weight", "bias"), grads, ref_grads, strict=True):

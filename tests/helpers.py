@@ -1,0 +1,40 @@
+"""Shared setup of the training-level tests: the quickstart recipe shrunk to a tiny model, and
+tiny random-init Llamas built straight from a config.
+
+Also imported by the torchrun workers of test_distributed.py (run as a script, with the
+repository root on PYTHONPATH), so it imports nothing heavy at module level.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
+
+# Overrides that shrink the quickstart's model to a 2-layer, hidden-64 Llama at 64 tokens per
+# row: a training step takes a fraction of a second on the CPU.
+TINY_MODEL = [
+    "model.config_overrides={hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, "
+    "num_attention_heads: 4, num_key_value_heads: 2}",
+    "data.max_seq_len=64",
+]
+# Overrides for a run that only trains: no kernels, no periodic checkpoints, no HF export, and a
+# plain log line every step (what the tests parse).
+PLAIN_RUN = [
+    "kernels=none",
+    "logging.log_every=1",
+    "logging.progress=plain",
+    "checkpoint.every_steps=null",
+    "checkpoint.export_hf=false",
+]
+
+_TINY_LLAMA = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def tiny_llama(**config):
+    """A random-init ``LlamaForCausalLM``: 2 layers, 4 attention heads and 2 key-value heads
+    unless ``config`` (``LlamaConfig`` arguments: the vocabulary and sizes at least) says otherwise."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(**(_TINY_LLAMA | config)))
