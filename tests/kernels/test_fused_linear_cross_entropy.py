@@ -137,10 +137,10 @@ def test_bf16(accum_dtype, reduction):
 
 
 def test_fp32_accumulation_beats_bf16_over_many_chunks():
-    """48 one-row chunks. With positive hidden states every non-target dW entry is a sum of
-    same-signed terms, the case where a bf16 running sum drifts (rounded 48 times) while the
+    """128 one-row chunks. With positive hidden states every non-target dW entry is a sum of
+    same-signed terms, the case where a bf16 running sum drifts (rounded 128 times) while the
     fp32 one is rounded once."""
-    n_rows, n_hidden, n_cols = 48, 16, 1000
+    n_rows, n_hidden, n_cols = 128, 16, 1000
     hidden = (fresh_randn(n_rows, n_hidden).abs() + 1.0).bfloat16()
     weight = fresh_randn(n_cols, n_hidden, scale=0.25).bfloat16()
     target = _targets(n_rows, n_cols, n_ignored=0)
@@ -151,9 +151,11 @@ def test_fp32_accumulation_beats_bf16_over_many_chunks():
             fused_linear_cross_entropy, hidden, weight, target, accum_dtype=accum, memory_budget_bytes=1
         )
         errs[accum] = rel_err(grads[1], ref_grads[1])
-    # Measured on CPU: ≈ 0.4% vs ≈ 1%; the fp32 floor is the bf16 rounding of the logits' gradient.
+    # Measured on CPU over 8 fresh draws: fp32 0.40-0.50%, bf16 1.5-2.3% (ratio 3.4-5.1; at 48
+    # chunks the ratio went as low as 1.5, too close to call). The fp32 floor is the bf16
+    # rounding of the logits' gradient.
     assert errs[torch.float32] <= BF16_GRAD_REL / 2, errs
-    assert errs[torch.float32] < errs[torch.bfloat16] / 1.5, errs
+    assert errs[torch.float32] < errs[torch.bfloat16] / 2, errs
 
 
 def test_mixed_precision_accumulation_sums_in_fp32():
