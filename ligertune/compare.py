@@ -211,6 +211,24 @@ def processes_per_arm(requested: int | None) -> int:
     return requested or 1
 
 
+def arm_recipe_overrides(overrides: list[str], kernels: list[str], steps: int, directory: Path) -> list[str]:
+    """The user's overrides plus what every arm sets: only `kernels` on, `steps` steps, its own
+    output directory, and nothing that an arm does not need (eval, checkpoints, export)."""
+    return [
+        *overrides,
+        "kernels=none",
+        *(f"kernels.{k}=true" for k in kernels),
+        f"training.max_steps={steps}",
+        f"output_dir={json.dumps(str(directory))}",  # a JSON string is YAML, whatever the path holds
+        "training.eval_every=null",
+        "training.on_nonfinite=skip",
+        "checkpoint.every_steps=null",
+        "checkpoint.resume=none",
+        "checkpoint.export_hf=false",
+        "logging.progress=plain",
+    ]
+
+
 def make_plan(
     recipe_path: Path,
     overrides: list[str],
@@ -257,19 +275,7 @@ def make_plan(
         arm_kernels |= {name: [name] for name in selected}
     for name, arm_selection in arm_kernels.items():
         directory = out / name
-        arm_overrides = [
-            *overrides,
-            "kernels=none",
-            *(f"kernels.{k}=true" for k in arm_selection),
-            f"training.max_steps={steps}",
-            f"output_dir={json.dumps(str(directory))}",  # a JSON string is YAML, whatever the path holds
-            "training.eval_every=null",
-            "training.on_nonfinite=skip",
-            "checkpoint.every_steps=null",
-            "checkpoint.resume=none",
-            "checkpoint.export_hf=false",
-            "logging.progress=plain",
-        ]
+        arm_overrides = arm_recipe_overrides(overrides, arm_selection, steps, directory)
         try:
             load_recipe(recipe_path, arm_overrides)
         except RecipeError as e:
@@ -487,30 +493,48 @@ def _empty_result() -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run_arm_process(arm: ArmSpec, plan: ComparePlan) -> dict[str, Any]:
-    """Run one arm to the end and return its result; failures become a result, never an exception."""
+def run_arm_process(
+    arm: ArmSpec, plan: ComparePlan, *, env: dict[str, str] | None = None, timeout: float | None = None
+) -> dict[str, Any]:
+    """Run one arm to the end and return its result; failures become a result, never an exception.
+
+    `env` adds variables to the arm's environment; after `timeout` seconds the arm's process
+    group is killed and the arm reported as an error."""
     if arm.directory.exists():
         shutil.rmtree(arm.directory)
     arm.directory.mkdir(parents=True)
     spec_path = arm.directory / ARM_SPEC
     _write_json(spec_path, arm.as_json(plan.recipe_path, plan.steps))
     log_path = arm.directory / ARM_LOG
+    timed_out = False
     with log_path.open("w", encoding="utf-8") as log_file:
-        proc = subprocess.run(
+        proc = subprocess.Popen(
             arm_command(spec_path, plan.nproc),
             stdout=log_file,
             stderr=subprocess.STDOUT,
-            env=arm_environment(),
+            env=arm_environment() | (env or {}),
+            start_new_session=timeout is not None,  # so a timeout can stop torchrun's workers too
         )
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            # torchrun passes SIGTERM on to its workers (they run in sessions of their own) and
+            # kills them if they linger; a single process has nothing to pass it on to.
+            proc.send_signal(signal.SIGTERM if plan.nproc > 1 else signal.SIGKILL)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     files = sorted(arm.directory.glob("result-rank*.json"))
     if files:
         result = merge_rank_results([json.loads(p.read_text(encoding="utf-8")) for p in files])
     else:
         result = _empty_result()
         tail = _log_tail(log_path)
-        result["error"] = _exit_description(proc.returncode) + (
-            f"; last lines of {log_path}:\n{tail}" if tail else ""
-        )
+        reason = f"timed out after {timeout:g} s" if timed_out else _exit_description(proc.returncode)
+        result["error"] = reason + (f"; last lines of {log_path}:\n{tail}" if tail else "")
     return {"name": arm.name, "kernels": arm.kernels, **result, "log": str(log_path)}
 
 

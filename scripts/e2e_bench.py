@@ -1,201 +1,283 @@
 """End-to-end training throughput and memory: HF eager vs ligertune kernels vs Liger-patched HF.
 
-Every provider trains the same recipe with the same loop (`ligertune.train.train`), the same
-seed, weights and data, for the same number of steps, each in a process of its own so that its
-peak memory is its own:
+Every provider trains the same recipe with the same loop (`ligertune.train.train`), seed,
+weights, data and number of steps. Each provider is an arm of `ligertune.compare`, run by its
+arm runner: a process of its own (so its peak memory is its own), or ``--nproc-per-node G``
+processes under torchrun with the peak taken over the ranks.
 
-* ``eager``: the Hugging Face model as built, ``kernels=none``;
-* ``ligertune``: our kernels patched in (``kernels=all`` unless the overrides say otherwise);
-* ``liger``: ``kernels=none``, then Liger-Kernel's own instance patch
-  (``liger_kernel.transformers._apply_liger_kernel_to_instance``) on the built model — the peer
-  as a user of our loop would apply it. Liger patches some functions process-wide; its process
-  is its own.
+* ``eager``: the Hugging Face model as built, every kernel off;
+* ``ligertune``: our kernels (the recipe's ``kernels: all`` selection);
+* ``liger``: every kernel of ours off, then Liger-Kernel's own instance patch
+  (``liger_kernel.transformers._apply_liger_kernel_to_instance``) on the built model, before
+  the parallel wrapper: the peer as a user of our loop would apply it. Liger also patches some
+  functions process-wide, which is harmless in a process of its own.
 
-Tokens/s, MFU and step time are medians over the steps after ``--warmup`` (the recipe's
-``logging.throughput_warmup_steps`` is set to match); memory is the CUDA caching allocator's
-peak allocated and reserved over the run. Results go to ``--out`` as ``e2e.json`` and
-``e2e.md``; the Markdown table is printed last.
+Tokens/s (all input tokens, padding included), MFU and step time are medians/rates over the
+steps after ``--warmup`` (`ligertune.compare`'s definitions); memory is the CUDA caching
+allocator's peak allocated and reserved over the run.
 
-    python scripts/e2e_bench.py recipes/llama3.2-1b-alpaca-bench.yaml --steps 20 --out runs/e2e
-    python scripts/e2e_bench.py recipes/llama3.2-1b-alpaca-bench.yaml data.max_seq_len=4096 --providers ligertune,liger
+``--seq-lens`` sweeps ``data.max_seq_len``: the same providers at each length, shortest first;
+a provider that fails (out of memory, error, timeout) is not tried at longer lengths. The
+report gives, per provider, the longest length that ran, and ``e2e.png`` plots throughput and
+peak memory against the length. A packed row shorter than the length is padded to it, so each
+row holds exactly ``max_seq_len`` tokens of work. At lengths longer than the bundled sample
+(37k tokens) use ``--random-rows N``: N rows of random token ids as long as the longest length,
+written to ``<out>/random-tokens.jsonl`` and trained unpacked (every position a label), so that
+each row is one causal sequence and attention needs no packed-sample mask.
+
+Outputs in ``--out``: ``e2e.json`` (every arm's result), ``e2e.md`` (the tables, printed last),
+``e2e.png`` with ``--seq-lens``, and one directory per arm with its log and metrics.
+
+    python scripts/e2e_bench.py recipes/llama3.2-1b-alpaca-bench.yaml --steps 15 --warmup 5 --out runs/e2e
+    python scripts/e2e_bench.py recipes/llama3-8b-alpaca-bench.yaml --nproc-per-node 4 --out runs/e2e-8b
+    python scripts/e2e_bench.py recipes/llama3.2-1b-alpaca-bench.yaml training.micro_batch_size=1 \\
+        --seq-lens 8192,16384,32768,65536 --steps 4 --warmup 2 --out runs/e2e-seq
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 PROVIDERS = ("eager", "ligertune", "liger")
+LIGER_ARM = "liger"  # arm names are "<provider>" or "<provider>-<seq len>"
 
 
-def _arm_overrides(provider: str, steps: int, warmup: int, out: Path, user: list[str]) -> list[str]:
-    kernels = ["kernels=all"] if provider == "ligertune" else ["kernels=none"]
-    # User overrides come after kernels=all so `kernels.rope=false` can still switch one off,
-    # but never re-enable our kernels in the eager/liger arms.
-    user = [o for o in user if provider == "ligertune" or not o.startswith("kernels")]
-    return (
-        kernels
-        + user
-        + [
-            f"output_dir={out / provider}",
-            f"training.max_steps={steps}",
-            f"logging.throughput_warmup_steps={warmup}",
-            "logging.log_every=1",
-            "logging.progress=plain",
-            "training.eval_every=null",
-            "checkpoint.every_steps=null",
-            "checkpoint.save_final=false",
-            "checkpoint.export_hf=false",
-            "checkpoint.resume=none",
-        ]
-    )
-
-
-def run_arm(provider: str, recipe_path: str, overrides: list[str], warmup: int, result_path: Path) -> None:
-    """Inside the arm's process: train and write the arm's result JSON."""
-    import torch
+def inject(arm_name: str) -> None:
+    """Runs in the liger arms' processes (`ligertune.compare`'s arm hook, named by
+    ``LIGERTUNE_COMPARE_INJECT``): applies Liger's instance patch to every model the loop builds."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
     import ligertune.train as train_module
-    from ligertune.recipe import load_recipe
 
-    recipe = load_recipe(recipe_path, overrides)
-    steps: list[dict] = []
-    result: dict = {"provider": provider, "status": "ok", "error": None}
-    started = time.perf_counter()
-    try:
-        if provider == "liger":
-            from liger_kernel.transformers import _apply_liger_kernel_to_instance
+    build = train_module.build_model
 
-            build = train_module.build_model
+    def build_with_liger(recipe, device):
+        model = build(recipe, device)
+        _apply_liger_kernel_to_instance(model=model)
+        return model
 
-            def build_with_liger(recipe, device):
-                model = build(recipe, device)
-                _apply_liger_kernel_to_instance(model=model)
-                return model
+    train_module.build_model = build_with_liger
 
-            train_module.build_model = build_with_liger
-        train_module.train(recipe, on_step_end=lambda record: steps.append(vars(record).copy()) and None)
-    except torch.OutOfMemoryError as e:
-        result.update(status="oom", error=str(e).splitlines()[0])
-    except Exception as e:  # an arm's failure is a result, not a crash of the whole benchmark
-        result.update(status="error", error=f"{type(e).__name__}: {e}")
-    result["wall_s"] = time.perf_counter() - started
-    records = (
-        [
-            json.loads(line)
-            for line in (recipe.run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()
-        ]
-        if (recipe.run_dir / "metrics.jsonl").exists()
-        else []
+
+def run_provider(provider: str, name: str, args, overrides: list[str]) -> dict:
+    """One arm: `provider` on the recipe with `overrides`, in `args.out / name`."""
+    from ligertune import compare
+    from ligertune.recipe import KernelsSection
+
+    kernels = KernelsSection.preset("all").enabled() if provider == "ligertune" else []
+    directory = (args.out / name).resolve()
+    spec = compare.ArmSpec(
+        name, kernels, compare.arm_recipe_overrides(overrides, kernels, args.steps, directory), directory
     )
-    timed = [r for r in records if r.get("event") == "train" and r["step"] > warmup]
-
-    def median(key):
-        values = [r[key] for r in timed if r.get(key) is not None]
-        return statistics.median(values) if values else None
-
-    result.update(
-        steps=len(steps),
-        losses=[s["loss"] for s in steps],
-        tokens_per_s=median("tokens_per_s"),
-        tokens_per_s_per_gpu=median("tokens_per_s_per_gpu"),
-        mfu=median("mfu"),
-        step_s=statistics.median([s["seconds"] for s in steps[warmup:]]) if len(steps) > warmup else None,
-        peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
-        peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30 if torch.cuda.is_available() else None,
+    plan = compare.make_plan(
+        Path(args.recipe), overrides, steps=args.steps, out=args.out, nproc_per_node=args.nproc_per_node
     )
-    result_path.write_text(json.dumps(result, indent=1))
+    env = {compare.INJECT_ENV: "scripts.e2e_bench"} if provider == LIGER_ARM else {}
+    result = compare.run_arm_process(spec, plan, env=env, timeout=args.timeout)
+    return {"provider": provider, **result}
 
 
-def _fmt(value, spec: str) -> str:
-    return "—" if value is None else format(value, spec)
+def random_token_data(path: Path, rows: int, length: int) -> list[str]:
+    """Write `rows` rows of `length` random token ids below 2048 (the bundled tokenizer's
+    vocabulary, so any recipe's tokenizer accepts them); the overrides that train on them."""
+    import numpy as np
+
+    ids = np.random.default_rng(0).integers(0, 2048, size=(rows, length))
+    path.write_text("".join(json.dumps({"input_ids": row.tolist()}) + "\n" for row in ids))
+    return ["data.format=pretokenized", f"data.path={json.dumps(str(path.resolve()))}", "data.packing=false"]
 
 
-def markdown(results: list[dict], command: str) -> str:
-    base = next((r for r in results if r["provider"] == "eager" and r["tokens_per_s"]), None)
-    liger = next((r for r in results if r["provider"] == "liger" and r["tokens_per_s"]), None)
+def _fmt(value, spec: str, suffix: str = "") -> str:
+    return "—" if value is None else format(value, spec) + suffix
+
+
+def table(results: list[dict]) -> list[str]:
+    """One Markdown table of `results` (arms of one sequence length), ratios against eager and Liger."""
+    by = {r["provider"]: r for r in results if r["status"] == "ok"}
+
+    def ratio(r, other, key):
+        base = by.get(other)
+        return r[key] / base[key] if base and r[key] and base[key] else None
+
     lines = [
-        f"command: `{command}`",
-        "",
-        "| provider | status | tok/s | tok/s/GPU | MFU | step s | peak alloc GiB | peak reserved GiB | × eager tok/s | × liger tok/s | × liger memory | final loss |",
+        "| provider | status | tok/s | tok/s/GPU | MFU | step s | peak alloc GiB | peak reserved GiB "
+        "| × eager tok/s | × Liger tok/s | × Liger memory | final loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        speed = r["tokens_per_s"]
+        status = "OOM" if r["status"] == "oom" else r["status"]
+        loss = r["losses"][-1] if r["losses"] else None
         lines.append(
-            f"| {r['provider']} | {r['status']} | {_fmt(speed, ',.0f')} | {_fmt(r['tokens_per_s_per_gpu'], ',.0f')} | "
-            f"{_fmt(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} | {_fmt(r['step_s'], '.3f')} | "
-            f"{_fmt(r['peak_allocated_gib'], '.1f')} | {_fmt(r['peak_reserved_gib'], '.1f')} | "
-            f"{_fmt(speed / base['tokens_per_s'] if speed and base else None, '.2f')} | "
-            f"{_fmt(speed / liger['tokens_per_s'] if speed and liger else None, '.2f')} | "
-            f"{_fmt(r['peak_allocated_gib'] / liger['peak_allocated_gib'] if liger and r['peak_allocated_gib'] and liger['peak_allocated_gib'] else None, '.2f')} | "
-            f"{_fmt(r['losses'][-1] if r['losses'] else None, '.4f')} |"
+            f"| {r['provider']} | {status} | {_fmt(r['tokens_per_s'], ',.0f')} | {_fmt(r['tokens_per_s_per_gpu'], ',.0f')} "
+            f"| {_fmt(r['mfu'] and 100 * r['mfu'], '.1f', '%')} | {_fmt(r['step_time_median_s'], '.3f')} "
+            f"| {_fmt(r['peak_mem_allocated_gib'], '.1f')} | {_fmt(r['peak_mem_reserved_gib'], '.1f')} "
+            f"| {_fmt(ratio(r, 'eager', 'tokens_per_s'), '.2f')} | {_fmt(ratio(r, 'liger', 'tokens_per_s'), '.2f')} "
+            f"| {_fmt(ratio(r, 'liger', 'peak_mem_allocated_gib'), '.2f')} | {_fmt(loss, '.4f')} |"
         )
-        if r["error"]:
-            error = " ".join(r["error"].split())[-300:].replace("|", "/")
-            lines.append(f"|   ↳ {r['provider']}: {error} |||||||||||")
+    for r in results:
+        if r["status"] != "ok" and r.get("error"):
+            lines.append(f"\n{r['provider']}: {' '.join(str(r['error']).split())[:400]}")
+    return lines
+
+
+def markdown(report: dict) -> str:
+    lines = [f"command: `{report['command']}`", ""]
+    results = report["results"]
+    lengths = sorted({r["seq_len"] for r in results if r.get("seq_len")})
+    if not lengths:
+        return "\n".join(lines + table(results)) + "\n"
+    for length in lengths:
+        lines += [
+            f"### max_seq_len {length}",
+            "",
+            *table([r for r in results if r.get("seq_len") == length]),
+            "",
+        ]
+    lines += [
+        "### Longest sequence that ran",
+        "",
+        "| provider | longest max_seq_len | first failure |",
+        "|---|---|---|",
+    ]
+    for provider, longest in report["longest"].items():
+        failure = longest["first_failure"]
+        failed = f"{failure['seq_len']} ({failure['status']})" if failure else "none up to the longest tried"
+        lines.append(f"| {provider} | {_fmt(longest['seq_len'], 'd')} | {failed} |")
     return "\n".join(lines) + "\n"
+
+
+def longest_per_provider(results: list[dict], providers: list[str]) -> dict:
+    out = {}
+    for provider in providers:
+        runs = sorted((r for r in results if r["provider"] == provider), key=lambda r: r["seq_len"])
+        ok = [r["seq_len"] for r in runs if r["status"] == "ok"]
+        failed = next((r for r in runs if r["status"] not in ("ok", "skipped")), None)
+        out[provider] = {
+            "seq_len": max(ok) if ok else None,
+            "first_failure": {"seq_len": failed["seq_len"], "status": failed["status"]} if failed else None,
+        }
+    return out
+
+
+def plot(report: dict, path: Path) -> None:
+    """Throughput and peak memory against max_seq_len, one line per provider; an × marks the
+    length at which a provider ran out of memory (at the peak it had reached)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for provider in report["providers"]:
+        runs = sorted((r for r in report["results"] if r["provider"] == provider), key=lambda r: r["seq_len"])
+        ok = [r for r in runs if r["status"] == "ok"]
+        (line,) = speed.plot(
+            [r["seq_len"] for r in ok], [r["tokens_per_s_per_gpu"] for r in ok], "o-", label=provider
+        )
+        memory.plot(
+            [r["seq_len"] for r in ok],
+            [r["peak_mem_allocated_gib"] for r in ok],
+            "o-",
+            color=line.get_color(),
+            label=provider,
+        )
+        for r in runs:
+            if r["status"] == "oom" and r["peak_mem_allocated_gib"] is not None:
+                memory.plot(
+                    r["seq_len"],
+                    r["peak_mem_allocated_gib"],
+                    "x",
+                    color=line.get_color(),
+                    markersize=10,
+                    mew=2,
+                )
+    for axis, label in ((speed, "tokens/s per GPU"), (memory, "peak memory allocated (GiB)")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("max_seq_len (tokens per row)")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    memory.set_title("× = out of memory (peak reached)", fontsize=9)
+    fig.suptitle(report["title"], fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe")
-    parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value (every provider)")
     parser.add_argument("--providers", default=",".join(PROVIDERS))
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the medians")
+    parser.add_argument("--warmup", type=int, default=5, help="steps left out of the rates")
+    parser.add_argument("--nproc-per-node", type=int, default=None, help="GPUs per arm (torchrun)")
+    parser.add_argument("--seq-lens", help="comma list of data.max_seq_len values to sweep")
     parser.add_argument("--out", type=Path, default=Path("runs/e2e"))
-    parser.add_argument("--arm", help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=600, help="seconds per arm")
-    args = parser.parse_args(argv)
-
-    if args.arm:
-        run_arm(args.arm, args.recipe, args.overrides, args.warmup, args.out / args.arm / "result.json")
-        return 0
+    parser.add_argument(
+        "--time-budget", type=float, default=None, help="arms not started by then are skipped"
+    )
+    parser.add_argument("--title", default=None, help="plot title")
+    parser.add_argument("--random-rows", type=int, default=None, help="train on N rows of random token ids")
+    args = parser.parse_intermixed_args(argv)
 
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
     unknown = sorted(set(providers) - set(PROVIDERS))
     if unknown:
         parser.error(f"unknown providers {unknown}; choose from {', '.join(PROVIDERS)}")
-    results = []
-    for provider in providers:
-        arm_dir = args.out / provider
-        arm_dir.mkdir(parents=True, exist_ok=True)
-        overrides = _arm_overrides(provider, args.steps, args.warmup, args.out, args.overrides)
-        command = [sys.executable, __file__, args.recipe, *overrides, "--arm", provider,
-                   "--out", str(args.out), "--warmup", str(args.warmup)]  # fmt: skip
-        print(f"[{provider}] running {args.steps} steps ...", flush=True)
-        with open(arm_dir / "arm.log", "w") as log:
-            try:
-                code = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout,
-                                      env=os.environ.copy()).returncode  # fmt: skip
-            except subprocess.TimeoutExpired:
-                code = "timeout"
-        result_path = arm_dir / "result.json"
-        if result_path.exists():
-            result = json.loads(result_path.read_text())
-        else:
-            tail = (arm_dir / "arm.log").read_text()[-600:]
-            result = {"provider": provider, "status": "error", "error": f"arm exited {code}: {tail}",
-                      "tokens_per_s": None, "tokens_per_s_per_gpu": None, "mfu": None, "step_s": None,
-                      "peak_allocated_gib": None, "peak_reserved_gib": None, "losses": []}  # fmt: skip
-        print(f"[{provider}] {result['status']}: {_fmt(result['tokens_per_s'], ',.0f')} tok/s, "
-              f"peak {_fmt(result['peak_allocated_gib'], '.1f')} GiB", flush=True)  # fmt: skip
-        results.append(result)
+    if any(o.startswith(("kernels", "data.max_seq_len" if args.seq_lens else "\0")) for o in args.overrides):
+        parser.error(
+            "the providers set kernels (and --seq-lens sets data.max_seq_len); leave them out of the overrides"
+        )
+    lengths = sorted(int(x) for x in args.seq_lens.split(",")) if args.seq_lens else [None]
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = [*args.overrides, f"logging.throughput_warmup_steps={args.warmup}"]
+    if args.random_rows:
+        base += random_token_data(
+            args.out / "random-tokens.jsonl", args.random_rows, max(lengths[-1] or 2048, 1)
+        )
+
+    started = time.monotonic()
+    results, failed = [], set()
+    for length in lengths:
+        for provider in providers:
+            name = provider if length is None else f"{provider}-{length}"
+            overrides = base if length is None else [*base, f"data.max_seq_len={length}"]
+            over_budget = args.time_budget is not None and time.monotonic() - started > args.time_budget
+            if provider in failed or over_budget:
+                why = "a shorter length failed" if provider in failed else "time budget"
+                print(f"[{name}] not run: {why}", flush=True)
+                if over_budget:
+                    results.append({"provider": provider, "seq_len": length, "status": "skipped", "error": why,
+                                    "losses": [], "tokens_per_s": None, "tokens_per_s_per_gpu": None, "mfu": None,
+                                    "step_time_median_s": None, "peak_mem_allocated_gib": None,
+                                    "peak_mem_reserved_gib": None})  # fmt: skip
+                continue
+            print(f"[{name}] {args.steps} steps ...", flush=True)
+            result = run_provider(provider, name, args, overrides) | {"seq_len": length}
+            if result["status"] != "ok":
+                failed.add(provider)
+            print(f"[{name}] {result['status']}: {_fmt(result['tokens_per_s'], ',.0f')} tok/s, "
+                  f"peak {_fmt(result['peak_mem_allocated_gib'], '.1f')} GiB"
+                  + (f"; {' '.join(str(result['error']).split())[:300]}" if result["error"] else ""), flush=True)  # fmt: skip
+            results.append(result)
 
     command = "python scripts/e2e_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    (args.out / "e2e.json").write_text(json.dumps({"command": command, "results": results}, indent=1))
-    table = markdown(results, command)
-    (args.out / "e2e.md").write_text(table)
-    print(table)
-    return 0 if all(r["status"] == "ok" for r in results) else 1
+    report = {"command": command, "providers": providers, "results": results,
+              "title": args.title or f"{Path(args.recipe).name} {' '.join(args.overrides)}".strip()}  # fmt: skip
+    if args.seq_lens:
+        report["longest"] = longest_per_provider(results, providers)
+        plot(report, args.out / "e2e.png")
+    (args.out / "e2e.json").write_text(json.dumps(report, indent=1))
+    text = markdown(report)
+    (args.out / "e2e.md").write_text(text)
+    print(text)
+    return 0 if all(r["status"] == "ok" for r in results) or args.seq_lens else 1
 
 
 if __name__ == "__main__":
