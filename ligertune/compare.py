@@ -519,9 +519,11 @@ def run_arm_process(
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
-            # torchrun passes SIGTERM on to its workers (they run in sessions of their own) and
-            # kills them if they linger; a single process has nothing to pass it on to.
-            proc.send_signal(signal.SIGTERM if plan.nproc > 1 else signal.SIGKILL)
+            # torchrun passes the signal it gets on to its workers (they run in sessions of their
+            # own) and kills them if they linger. SIGHUP, because `train` answers SIGTERM by
+            # saving a checkpoint (minutes for an 8B model) and SIGHUP ends a worker at once. A
+            # single process has nothing to pass a signal on to.
+            proc.send_signal(signal.SIGHUP if plan.nproc > 1 else signal.SIGKILL)
             try:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
@@ -530,6 +532,11 @@ def run_arm_process(
     files = sorted(arm.directory.glob("result-rank*.json"))
     if files:
         result = merge_rank_results([json.loads(p.read_text(encoding="utf-8")) for p in files])
+        if timed_out:
+            result["status"] = "error"
+            result["error"] = f"timed out after {timeout:g} s" + (
+                f" ({result['error']})" if result["error"] else ""
+            )
     else:
         result = _empty_result()
         tail = _log_tail(log_path)

@@ -7,6 +7,7 @@ repository root on PYTHONPATH), so it imports nothing heavy at module level.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -28,6 +29,13 @@ PLAIN_RUN = [
     "checkpoint.every_steps=null",
     "checkpoint.export_hf=false",
 ]
+
+
+def pythonpath_with_root() -> str:
+    """PYTHONPATH for a child process that imports ``tests.*`` or ``scripts.*``: the repository
+    root first, then whatever the caller had (the GPU machine's wheels live there)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
 
 _TINY_LLAMA = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 

@@ -21,7 +21,7 @@ from rich.console import Console
 from ligertune import compare
 from ligertune.compare import CompareError, compare_command, loss_verdict, make_plan, merge_rank_results
 from ligertune.recipe import RecipeError
-from tests.helpers import QUICKSTART, ROOT, TINY_MODEL
+from tests.helpers import QUICKSTART, ROOT, TINY_MODEL, pythonpath_with_root
 
 # The quickstart, shrunk so that an arm trains in seconds under the Triton interpreter.
 SMALL = [
@@ -279,7 +279,8 @@ def compare_render(report: dict, out: Path) -> dict:
 
 
 def run_cli(*args: str, faults: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "COLUMNS": "160"}
+    # os.environ carries conftest's TRITON_INTERPRET=1 on a machine without a GPU.
+    env = {**os.environ, "PYTHONPATH": pythonpath_with_root(), "COLUMNS": "160"}
     if faults is not None:
         env |= {compare.INJECT_ENV: "tests.compare_faults", "COMPARE_FAULTS": json.dumps(faults)}
     return subprocess.run(
@@ -292,8 +293,7 @@ def run_cli(*args: str, faults: dict | None = None) -> subprocess.CompletedProce
 
 
 def run_in_process(monkeypatch, tmp_path, faults: dict, *options, **kwargs) -> tuple[int, dict]:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with_root())
     monkeypatch.setenv(compare.INJECT_ENV, "tests.compare_faults")
     monkeypatch.setenv("COMPARE_FAULTS", json.dumps(faults))
     status = compare_command(QUICKSTART, [*SMALL, *options], quiet_console(), out=tmp_path, **kwargs)
@@ -405,7 +405,7 @@ def test_gpu_real_oom_keeps_the_peak_reached(monkeypatch, tmp_path):
 @pytest.mark.gpu
 def test_gpu_llama_1b_shape_fused_loss_saves_memory_at_parity(monkeypatch, tmp_path):
     recipe = ROOT / "recipes" / "llama3.2-1b-alpaca-bench.yaml"
-    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    monkeypatch.setenv("PYTHONPATH", pythonpath_with_root())
     status = compare_command(
         recipe, ["model.config_overrides={num_hidden_layers: 4}", "training.micro_batch_size=4"],
         quiet_console(), steps=8, kernels="all", out=tmp_path,

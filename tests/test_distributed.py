@@ -31,7 +31,7 @@ from ligertune.checkpoint import Checkpoint
 from ligertune.distributed import DeepSpeedRuntime, FSDPRuntime, Runtime, deepspeed_config
 from ligertune.launch import LaunchError, LaunchOptions, check_options, torchrun_command
 from ligertune.recipe import RecipeError, load_recipe
-from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT, TINY_MODEL
+from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT, TINY_MODEL, pythonpath_with_root
 
 TINY = [
     *TINY_MODEL,
@@ -68,7 +68,7 @@ FP32_RTOL = 1e-5  # measured: the launches agree with one process to 1e-7 (reduc
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     # The worker is this file run as a script: it imports tests.helpers from the repository root.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env["PYTHONPATH"] = pythonpath_with_root()
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
     return env
