@@ -214,7 +214,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
             "peak host memory (GiB, CPU)",
         )
     for ax in (ax_speed, ax_mem):
-        ax.set_xticks(range(len(names)), names)
+        # Ablation arms carry kernel names, too long to sit side by side.
+        slanted = len(names) > 3
+        ax.set_xticks(
+            range(len(names)), names, rotation=20 if slanted else 0, ha="right" if slanted else "center"
+        )
     for ax in (ax_loss, ax_diff):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
@@ -222,6 +226,13 @@ def plot(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _bar_label(value: float | None) -> str:
+    """Whole thousands for rates (59,493), three significant digits for GiB (29.8)."""
+    if value is None:
+        return "n/a"
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
 def _bars(ax, arms: list[Arm], series: list[list[float | None]], labels: list[str], title: str) -> None:
@@ -236,7 +247,7 @@ def _bars(ax, arms: list[Arm], series: list[list[float | None]], labels: list[st
             failed = arm["status"] in ("oom", "error")
             if failed:
                 bar.set_hatch("//")
-            text = _status(arm) if failed else ("n/a" if value is None else f"{value:,.3g}")
+            text = _status(arm) if failed else _bar_label(value)
             ax.annotate(
                 text,
                 (bar.get_x() + bar.get_width() / 2, bar.get_height()),
