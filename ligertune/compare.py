@@ -2,7 +2,9 @@
 
 The recipe runs as several *arms*, one after another, each in a process of its own so that its
 peak memory is its own: ``off`` (every kernel off), ``on`` (the chosen kernels on) and, with
-``--ablate``, one arm per kernel with only that kernel on. Every arm gets the same seed, hence
+``--ablate``, one arm per kernel with only that kernel on (a kernel for which the ``on`` arm
+patched no module, such as LayerNorm in a Llama, gets no arm: it would only repeat ``off``;
+the report's notes name it). Every arm gets the same seed, hence
 the same random initial weights (`ligertune.models.build_model` seeds the init before
 patching) or the same loaded checkpoint, the same data order and the same number of steps, so
 the per-step losses of two arms differ only by what the kernels compute differently.
@@ -650,13 +652,16 @@ def compare_arms(base: dict[str, Any], arm: dict[str, Any], steps: int, rtol: fl
     return result
 
 
-def build_report(plan: ComparePlan, arms: list[dict[str, Any]]) -> dict[str, Any]:
-    """The whole comparison as one JSON-ready mapping (schema `SCHEMA`)."""
+def build_report(
+    plan: ComparePlan, arms: list[dict[str, Any]], notes: list[str] | None = None
+) -> dict[str, Any]:
+    """The whole comparison as one JSON-ready mapping (schema `SCHEMA`); `notes` are added to
+    the report's own."""
     base = arms[0]
     comparisons = [compare_arms(base, arm, plan.steps, plan.rtol) for arm in arms[1:]]
     reporting = next((a for a in arms if a["device"] is not None), base)
     device = reporting["device"]
-    notes = []
+    notes = list(notes or [])
     if device == "cpu":
         notes.append(
             f"CPU run (kernels: {reporting['kernel_mode']}): speed numbers only check the path and say nothing "
@@ -703,8 +708,16 @@ def run_compare(plan: ComparePlan, console) -> dict[str, Any]:
 
     plan.out.mkdir(parents=True, exist_ok=True)
     launcher = f"torchrun × {plan.nproc}" if plan.nproc > 1 else "one process"
-    arms = []
+    arms, unused, notes = [], set(), []
     for arm in plan.arms:
+        if unused.intersection(arm.kernels):  # an ablation arm that would equal `off`
+            notes.append(
+                f"arm {arm.name} not run: the 'on' arm patched no module with it (this model has none)"
+            )
+            console.print(
+                f"arm {arm.name}: not run, {notes[-1].split(': ', 1)[1]}", markup=False, highlight=False
+            )
+            continue
         console.print(
             f"arm {arm.name} (kernels: {', '.join(arm.kernels) or 'none'}): {plan.steps} steps, {launcher}; "
             f"log: {arm.directory / ARM_LOG}",
@@ -716,7 +729,11 @@ def run_compare(plan: ComparePlan, console) -> dict[str, Any]:
         line = f"  {result['status']}" + (f": {result['error']}" if result["error"] else "")
         console.print(line, markup=False, highlight=False, soft_wrap=True)
         arms.append(result)
-    report = build_report(plan, arms)
+        if arm.name == "on" and plan.ablate:
+            # The on arm's patch report says which selected kernels found nothing to patch.
+            patched = _start_record(arm.directory).get("kernels_patched")
+            unused = {k for k in arm.kernels if k not in patched} if patched is not None else set()
+    report = build_report(plan, arms, notes)
     report["files"] = {
         "json": str(plan.out / "compare.json"),
         **render.write_outputs(report, plan.out, console),

@@ -345,6 +345,18 @@ def test_a_broken_kernel_diverges_and_ablation_points_at_it(monkeypatch, tmp_pat
     assert report["verdict"]["status"] == "diverged"
 
 
+def test_ablation_leaves_out_a_kernel_the_model_has_no_module_for(monkeypatch, tmp_path):
+    # The quickstart is a Llama: RMSNorm modules, no LayerNorm. Its ablation arm would be `off` again.
+    status, report = run_in_process(
+        monkeypatch, tmp_path, {}, steps=2, kernels="rms_norm,layer_norm", ablate=True
+    )
+    assert status == 0
+    assert [a["name"] for a in report["arms"]] == ["off", "on", "rms_norm"]
+    assert not (tmp_path / "layer_norm").exists()
+    assert any(n.startswith("arm layer_norm not run") for n in report["notes"]), report["notes"]
+    assert report["verdict"]["parity"]
+
+
 def test_an_arm_out_of_memory_is_reported_and_the_other_arm_still_runs(monkeypatch, tmp_path):
     status, report = run_in_process(
         monkeypatch, tmp_path, {"off": {"oom_at_step": 2}}, steps=3, kernels="rms_norm"
