@@ -500,8 +500,8 @@ def run_arm_process(
 ) -> dict[str, Any]:
     """Run one arm to the end and return its result; failures become a result, never an exception.
 
-    `env` adds variables to the arm's environment; after `timeout` seconds the arm's process
-    group is killed and the arm reported as an error."""
+    `env` adds variables to the arm's environment. After `timeout` seconds the arm is stopped
+    (see below) and reported as an error, "timed out"."""
     if arm.directory.exists():
         shutil.rmtree(arm.directory)
     arm.directory.mkdir(parents=True)
@@ -714,9 +714,7 @@ def run_compare(plan: ComparePlan, console) -> dict[str, Any]:
             notes.append(
                 f"arm {arm.name} not run: the 'on' arm patched no module with it (this model has none)"
             )
-            console.print(
-                f"arm {arm.name}: not run, {notes[-1].split(': ', 1)[1]}", markup=False, highlight=False
-            )
+            console.print(notes[-1], markup=False, highlight=False)
             continue
         console.print(
             f"arm {arm.name} (kernels: {', '.join(arm.kernels) or 'none'}): {plan.steps} steps, {launcher}; "
