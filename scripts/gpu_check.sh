@@ -14,6 +14,7 @@
 #
 # The tests failing does not stop the benchmark; the exit status is non-zero if either failed.
 set -euo pipefail
+source "$(dirname "$0")/report_header.sh"
 
 : "${OUT:?set OUT to the folder for the results}"
 PYTHON=${PYTHON:-python3}
@@ -25,13 +26,7 @@ start=$(date +%s)
 
 nvidia-smi -L
 {
-  echo "# GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  echo
-  echo '```'
-  nvidia-smi -L
-  "$PYTHON" -c 'from ligertune.environment import describe_environment as d; [print(f"{k}: {v}") for k, v in d().items()]'
-  echo '```'
-  echo
+  report_header "GPU check"
 } > "$summary"
 
 # --- tests ----------------------------------------------------------------------------------

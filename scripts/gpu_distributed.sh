@@ -21,6 +21,7 @@
 # the start are reported as skipped, so a part ends within BUDGET_S + ARM_TIMEOUT_S. Results under $OUT: summary.md (the tables, printed last)
 # and results.tar.gz (every arm's log, metrics and result).
 set -uo pipefail
+source "$(dirname "$0")/report_header.sh"
 
 : "${OUT:?set OUT to the folder for the results}"
 : "${PART:?set PART to 1 or 2}"
@@ -69,12 +70,7 @@ else
 fi
 
 {
-  echo "# Multi-GPU part $PART, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  echo
-  echo '```'
-  nvidia-smi -L
-  "$PYTHON" -c 'from ligertune.environment import describe_environment as d; [print(f"{k}: {v}") for k, v in d().items()]'
-  echo '```'
+  report_header "Multi-GPU part $PART"
   if [[ -f $WORK/tests.log ]]; then
     echo; echo "## tests/test_distributed_gpu.py"; echo
     grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed)' "$WORK/tests.log" | tail -n 20

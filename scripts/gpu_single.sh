@@ -19,6 +19,7 @@
 # (every lane's outputs and logs). Knobs: LANE_BUDGET_S (default 500: a lane's budget),
 # SEQ_LENS (default 4096,16384,32768,65536,131072), PYTHON.
 set -uo pipefail
+source "$(dirname "$0")/report_header.sh"
 
 : "${OUT:?set OUT to the folder for the results}"
 PYTHON=${PYTHON:-python3}
@@ -83,13 +84,7 @@ done
 wait "${pids[@]}"
 
 {
-  echo "# Single-GPU checks and benchmarks, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
-  echo
-  echo '```'
-  nvidia-smi -L
-  "$PYTHON" -c 'from ligertune.environment import describe_environment as d; [print(f"{k}: {v}") for k, v in d().items()]'
-  echo '```'
-  echo
+  report_header "Single-GPU checks and benchmarks"
   echo "| lane | exit | seconds | GPU |"
   echo "|---|---|---|---|"
   sort "$WORK/status" | while read -r lane rc secs g; do echo "| $lane | $rc | $secs | $g |"; done

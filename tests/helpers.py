@@ -37,6 +37,22 @@ def pythonpath_with_root() -> str:
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
+def run_repo_script(script: str, *args: str):
+    """``python <script> <args>`` from the repository root, output captured. The environment is
+    this process's (on a machine without a GPU it carries conftest's TRITON_INTERPRET=1) with
+    the root on PYTHONPATH."""
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, script, *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": pythonpath_with_root()},
+        text=True,
+        capture_output=True,
+    )
+
+
 _TINY_LLAMA = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 

@@ -24,7 +24,7 @@ import pytest
 
 from ligertune import compare
 from scripts import e2e_bench
-from tests.helpers import QUICKSTART, ROOT, TINY_MODEL, pythonpath_with_root
+from tests.helpers import QUICKSTART, TINY_MODEL, run_repo_script
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The tiny model without TINY_MODEL's data.max_seq_len: --seq-lens sets the length.
@@ -34,14 +34,7 @@ FP32_RTOL = compare.RTOL["fp32"]
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "scripts/e2e_bench.py", *args],
-        cwd=ROOT,
-        # os.environ carries conftest's TRITON_INTERPRET=1 on a machine without a GPU.
-        env={**os.environ, "PYTHONPATH": pythonpath_with_root()},
-        text=True,
-        capture_output=True,
-    )
+    return run_repo_script("scripts/e2e_bench.py", *args)
 
 
 def relative_differences(losses: list[float], reference: list[float]) -> list[float]:

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import random
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,7 +22,7 @@ import torch
 
 from scripts import profile_step
 from scripts.profile_step import NCCL, TRITON, Kernel, category, covered_us
-from tests.helpers import QUICKSTART, ROOT, TINY_MODEL, pythonpath_with_root
+from tests.helpers import QUICKSTART, TINY_MODEL, run_repo_script
 
 MATMUL = "matmul (cuBLAS/CUTLASS)"
 ATTENTION = "attention (SDPA flash)"
@@ -37,14 +35,7 @@ TINY_RUN = [*TINY_MODEL, "data.validation_fraction=0"]
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "scripts/profile_step.py", *args],
-        cwd=ROOT,
-        # os.environ carries conftest's TRITON_INTERPRET=1 on a machine without a GPU.
-        env={**os.environ, "PYTHONPATH": pythonpath_with_root()},
-        text=True,
-        capture_output=True,
-    )
+    return run_repo_script("scripts/profile_step.py", *args)
 
 
 def records(run_dir, event: str) -> list[dict]:
