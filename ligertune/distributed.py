@@ -62,6 +62,8 @@ class Runtime:
 
     strategy = "none"
     checkpoint_format = FULL_FORMAT
+    # A line for the run log about how this strategy trains this recipe, or None.
+    notice: str | None = None
 
     def __init__(self, device: torch.device, rank: int = 0, local_rank: int = 0, world_size: int = 1):
         self.device = device
@@ -373,7 +375,14 @@ class DeepSpeedRuntime(_ProcessGroupRuntime):
     its forward and backward by hooks, which the fused linear cross entropy's lm_head call
     triggers too). ``bf16-mixed`` is DeepSpeed's bf16 mode: bf16 weights and compute, fp32
     master weights and optimizer state inside the ZeRO optimizer; ``bf16`` (bf16 master
-    weights) has no DeepSpeed equivalent and is refused.
+    weights) has no DeepSpeed equivalent and is refused. DeepSpeed casts the module to bf16
+    before it copies the fp32 master weights out of it, so a random fp32 init is rounded to
+    bf16 first. Every master weight then sits on the bf16 grid, and an update smaller than half
+    a bf16 step leaves the bf16 compute weights unchanged until the updates add up. FSDP2 and
+    DDP keep the unrounded init, whose rounding to bf16 for compute moves with any update. From
+    a random init at warm-up learning rates ZeRO's loss therefore falls a few steps later;
+    from saved bf16 weights (on the grid for every strategy) the strategies agree. The run log
+    says so (`notice`).
 
     Accumulation: the loop tells the engine which micro-batch closes the window
     (``set_gradient_accumulation_boundary``), so gradients are reduced once per window.
@@ -406,6 +415,13 @@ class DeepSpeedRuntime(_ProcessGroupRuntime):
         self.options = recipe.parallel.deepspeed
         self.config = deepspeed_config(recipe)
         self.engine = None
+        if recipe.model.config is not None and recipe.training.precision == "bf16-mixed":
+            self.notice = (
+                "DeepSpeed's bf16 mode starts its fp32 master weights from the bf16-rounded random init, so "
+                "updates below bf16's resolution (small warm-up learning rates) change nothing for the first "
+                "steps: the loss falls later than under ddp or fsdp. Runs from saved bf16 weights are not "
+                "affected (docs/distributed.md#deepspeed-and-a-random-init)"
+            )
 
     @property
     def param_device(self) -> torch.device:

@@ -426,7 +426,7 @@ def _train(recipe: Recipe, runtime: Runtime, on_step_end) -> TrainResult:
             f"{training.micro_batch_size} × {training.gradient_accumulation_steps} × {runtime.world_size} "
             f"sequences of ≤ {recipe.data.max_seq_len} tokens"
         )
-        for message in (patch_report, resumed_message):
+        for message in (patch_report, runtime.notice, resumed_message):
             if message:
                 log(str(message))
         metrics.write(

@@ -494,6 +494,26 @@ def test_deepspeed_refuses_bf16_master_weights(tmp_path):
         DeepSpeedRuntime(recipe)
 
 
+def test_deepspeed_from_a_bf16_mixed_random_init_says_its_first_steps_move_less(tmp_path):
+    """The run log's notice: only for a random init in bf16-mixed, where DeepSpeed rounds the
+    init to bf16 before taking its master weights (docs/distributed.md)."""
+    (tmp_path / "weights").mkdir()
+    cases = {
+        ("training.precision=bf16-mixed",): True,
+        ("training.precision=fp32",): False,
+        ("training.precision=bf16-mixed", "model.config=null", f"model.name_or_path={tmp_path / 'weights'}"): False,
+    }
+    for overrides, expected in cases.items():
+        runtime = DeepSpeedRuntime(_ds_recipe(tmp_path, "training.device=auto", *overrides))
+        try:
+            assert (runtime.notice is not None) == expected, overrides
+            if expected:
+                assert "bf16-rounded random init" in runtime.notice
+                assert "docs/distributed.md#deepspeed-and-a-random-init" in runtime.notice
+        finally:
+            runtime.shutdown()
+
+
 def test_fsdp_cpu_offload_needs_a_gpu():
     recipe = load_recipe(QUICKSTART, TINY + ["parallel.strategy=fsdp", "parallel.fsdp.cpu_offload=true"])
     with pytest.raises(RecipeError, match="needs training.device cuda"):
