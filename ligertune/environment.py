@@ -33,7 +33,16 @@ def describe_environment() -> dict[str, str]:
         "platform": platform.platform(),
         "ligertune": _version("ligertune"),
     }
-    for dist in ("torch", "triton", "transformers", "datasets", "tokenizers", "deepspeed", "liger-kernel"):
+    for dist in (
+        "torch",
+        "triton",
+        "transformers",
+        "datasets",
+        "tokenizers",
+        "accelerate",
+        "deepspeed",
+        "liger-kernel",
+    ):
         info[dist] = _version(dist)
     info["cuda (torch build)"] = str(torch.version.cuda)
     if torch.cuda.is_available():

@@ -501,7 +501,11 @@ def test_deepspeed_from_a_bf16_mixed_random_init_says_its_first_steps_move_less(
     cases = {
         ("training.precision=bf16-mixed",): True,
         ("training.precision=fp32",): False,
-        ("training.precision=bf16-mixed", "model.config=null", f"model.name_or_path={tmp_path / 'weights'}"): False,
+        (
+            "training.precision=bf16-mixed",
+            "model.config=null",
+            f"model.name_or_path={tmp_path / 'weights'}",
+        ): False,
     }
     for overrides, expected in cases.items():
         runtime = DeepSpeedRuntime(_ds_recipe(tmp_path, "training.device=auto", *overrides))
