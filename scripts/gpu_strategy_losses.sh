@@ -112,7 +112,8 @@ print("|---" * (steps + 2) + "|")
 for name, curve in curves.items():
     cells = [f"{x:.4f}" for x in curve] + ["–"] * (steps - len(curve))
     deltas = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve, reference)]
-    print(f"| {name} | " + " | ".join(cells) + f" | {max(deltas):.2e} |" if deltas else f"| {name} | " + " | ".join(cells) + " | – |")
+    largest = f"{max(deltas):.2e}" if deltas else "–"
+    print(f"| {name} | " + " | ".join(cells) + f" | {largest} |")
 EOF
   echo; echo "total: $(( $(date +%s) - start )) s"
 } > "$OUT/summary.md"

@@ -37,6 +37,18 @@ def pythonpath_with_root() -> str:
     return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
 
 
+def assert_refused_before_writing(main, argv: list[str], out, message: str, capsys) -> None:
+    """A script's ``main(argv)`` (argv ending in ``--out out``) exits 2 with `message` on
+    stderr and has written nothing under `out`."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
 def run_repo_script(script: str, *args: str):
     """``python <script> <args>`` from the repository root, output captured. The environment is
     this process's (on a machine without a GPU it carries conftest's TRITON_INTERPRET=1) with

@@ -24,7 +24,7 @@ import pytest
 
 from ligertune import compare
 from scripts import e2e_bench
-from tests.helpers import QUICKSTART, TINY_MODEL, run_repo_script
+from tests.helpers import QUICKSTART, TINY_MODEL, assert_refused_before_writing, run_repo_script
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The tiny model without TINY_MODEL's data.max_seq_len: --seq-lens sets the length.
@@ -254,11 +254,9 @@ def test_markdown_tables_ratios_failures_and_missing_numbers():
 )
 def test_bad_options_exit_with_an_argparse_error(tmp_path, capsys, args, message):
     out = tmp_path / "out"
-    with pytest.raises(SystemExit) as exit_info:
-        e2e_bench.main([str(QUICKSTART), *args, "--out", str(out)])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-    assert not out.exists()  # refused before anything was written
+    assert_refused_before_writing(
+        e2e_bench.main, [str(QUICKSTART), *args, "--out", str(out)], out, message, capsys
+    )
 
 
 def test_liger_hook_patches_the_model_the_loop_builds(monkeypatch):

@@ -22,7 +22,7 @@ import torch
 
 from scripts import profile_step
 from scripts.profile_step import NCCL, TRITON, Kernel, category, covered_us
-from tests.helpers import QUICKSTART, TINY_MODEL, run_repo_script
+from tests.helpers import QUICKSTART, TINY_MODEL, assert_refused_before_writing, run_repo_script
 
 MATMUL = "matmul (cuBLAS/CUTLASS)"
 ATTENTION = "attention (SDPA flash)"
@@ -213,11 +213,9 @@ def test_two_process_gloo_run_writes_one_report_from_rank_0(tmp_path):
 )
 def test_bad_options_exit_with_an_argparse_error(tmp_path, capsys, args, message):
     out = tmp_path / "out"
-    with pytest.raises(SystemExit) as exit_info:
-        profile_step.main([str(QUICKSTART), *args, "--out", str(out)])
-    assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
-    assert not out.exists()  # refused before anything was written
+    assert_refused_before_writing(
+        profile_step.main, [str(QUICKSTART), *args, "--out", str(out)], out, message, capsys
+    )
 
 
 def test_liger_provider_needs_liger_kernel(tmp_path, capsys, monkeypatch):

@@ -250,7 +250,7 @@ def _save_random_init(tmp_path: Path, dtype: torch.dtype) -> tuple[torch.nn.Modu
     return model, tmp_path / "weights"
 
 
-def _fine_tune_recipe(tmp_path: Path, weights: Path, *overrides: str):
+def _fine_tune_recipe(weights: Path, *overrides: str):
     # TINY minus its config overrides: the architecture comes from the saved config.json.
     return load_recipe(
         QUICKSTART,
@@ -263,7 +263,7 @@ def test_fine_tuning_loads_saved_weights_in_the_parameter_dtype(tmp_path, saved_
     """`model.name_or_path` (the fine-tuning path) loads a local safetensors directory into
     parameters of the precision's dtype (fp32 here), value for value."""
     original, weights = _save_random_init(tmp_path, saved_dtype)
-    loaded = build_model(_fine_tune_recipe(tmp_path, weights), torch.device("cpu"))
+    loaded = build_model(_fine_tune_recipe(weights), torch.device("cpu"))
     expected = {k: v.to(saved_dtype).float() for k, v in original.state_dict().items()}
     assert {k: v.dtype for k, v in loaded.state_dict().items()} == {k: torch.float32 for k in expected}
     torch.testing.assert_close(loaded.state_dict(), expected, rtol=0, atol=0)
@@ -273,7 +273,7 @@ def test_fine_tuning_saved_weights_trains_like_the_model_they_came_from(tmp_path
     """A run from saved fp32 weights gives, step by step, the losses of the run that trains
     the same seed's random init directly (same data order, same schedule)."""
     _, weights = _save_random_init(tmp_path, torch.float32)
-    train(_fine_tune_recipe(tmp_path, weights, "training.max_steps=3", f"output_dir={tmp_path / 'tuned'}"))
+    train(_fine_tune_recipe(weights, "training.max_steps=3", f"output_dir={tmp_path / 'tuned'}"))
     train(tiny_recipe(tmp_path / "direct", "seed=7", "training.max_steps=3"))
     tuned, direct = train_losses(tmp_path / "tuned"), train_losses(tmp_path / "direct")
     assert len(tuned) == 3
