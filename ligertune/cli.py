@@ -13,7 +13,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from ligertune.recipe import RecipeError, load_recipe, recipe_to_yaml
+from ligertune.config import load_recipe, recipe_to_yaml, shipped_recipes
+from ligertune.errors import RecipeError
 
 app = typer.Typer(
     name="ligertune",
@@ -29,10 +30,6 @@ app.add_typer(recipes_app, name="recipes")
 console = Console()
 err_console = Console(stderr=True)
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-if not RECIPES_DIR.is_dir():  # a regular (non-editable) install maps recipes/ into the package
-    RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
-
 
 def fail(error: RecipeError, who: str = "") -> None:
     """Print a recipe error (`who`: the rank that hit it, in a multi-process run) and exit 2."""
@@ -40,10 +37,6 @@ def fail(error: RecipeError, who: str = "") -> None:
     for problem in error.problems:
         err_console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(2)
-
-
-def shipped_recipes() -> dict[str, Path]:
-    return {p.stem: p for p in sorted(RECIPES_DIR.glob("*.yaml"))}
 
 
 @app.command()
@@ -92,7 +85,7 @@ def validate(
             _print_recipe_table(file, recipe)
         console.print(f"[green]✓[/] {file}")
         if check:
-            from ligertune.patching import check_recipe
+            from ligertune.tools.check import check_recipe
 
             try:
                 result = check_recipe(recipe)
@@ -193,7 +186,7 @@ def env() -> None:
     """
     from rich.table import Table
 
-    from ligertune.environment import describe_environment
+    from ligertune.tools.env import describe_environment
 
     table = Table(show_header=False)
     for key, value in describe_environment().items():
@@ -240,11 +233,10 @@ def train(
     """
     from rich.markup import escape
 
-    from ligertune.data import DataError
-    from ligertune.distributed import rank_label
-    from ligertune.launch import LaunchError, LaunchOptions, check_options, launch, record_errors
-    from ligertune.train import TrainingError
-    from ligertune.train import train as run_training
+    from ligertune.distributed.env import rank_label
+    from ligertune.distributed.launch import LaunchError, LaunchOptions, check_options, launch, record_errors
+    from ligertune.errors import DataError, TrainingError
+    from ligertune.training import train as run_training
 
     options = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     if options.requested:
@@ -275,7 +267,7 @@ def train(
 @app.command()
 def bench(
     kernels: str = typer.Option(
-        "all", "--kernels", "-k", help="rms_norm,add_rms_norm,layer_norm,rope,swiglu,geglu,ce,flce"
+        "all", "--kernels", "-k", help="Comma list of kernels (the recipe names, plus add_rms_norm), or all."
     ),
     providers: str = typer.Option(
         "", "--providers", "-p", help="eager,compile,liger,ligertune [GPU: all; CPU: eager,ligertune]"
@@ -300,7 +292,8 @@ def bench(
 ) -> None:
     """Time and memory of each kernel: eager PyTorch/HF, torch.compile, Liger-Kernel and ligertune.
 
-    Forward, backward and both, on DESIGN.md's shapes; JSON, CSV, Markdown and 3 plots go to --out.
+    Forward, backward and both, on the shapes listed in docs/benchmarks.md; JSON, CSV, Markdown and 3
+    plots go to --out.
 
     Without a GPU it runs tiny shapes (timings labelled not meaningful) to check the path.
 
@@ -310,13 +303,14 @@ def bench(
 
       ligertune bench --kernels rms_norm,rope --pass full --out runs/bench
 
-      ligertune bench -k flce --shape flce=8192x4096x32000,8192x4096x128256 -p eager,ligertune
+      ligertune bench -k fused_linear_cross_entropy -p eager,ligertune \
+        --shape fused_linear_cross_entropy=8192x4096x32000,8192x4096x128256
 
       ligertune bench --from-json runs/bench/bench.json --out runs/bench
     """
     from rich.markup import escape
 
-    from ligertune.bench import BenchError, BenchOptions, run_command
+    from ligertune.tools.bench import BenchError, BenchOptions, run_command
 
     opts = BenchOptions(
         kernels, providers, dtype, shape, passes, out, quick, warmup, rep, time_budget, from_json
@@ -366,7 +360,7 @@ def compare(
     """
     from rich.markup import escape
 
-    from ligertune.compare import CompareError, compare_command
+    from ligertune.tools.compare import CompareError, compare_command
 
     try:
         status = compare_command(

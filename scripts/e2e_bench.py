@@ -1,19 +1,20 @@
 """End-to-end training throughput and memory: HF eager vs ligertune kernels vs Liger-patched HF.
 
-Every provider trains the same recipe with the same loop (`ligertune.train.train`), seed,
-weights, data and number of steps. Each provider is an arm of `ligertune.compare`, run by its
-arm runner: a process of its own (so its peak memory is its own), or ``--nproc-per-node G``
+Every provider trains the same recipe with the same loop (`ligertune.training.train`), seed,
+weights, data and number of steps. Each provider (`ligertune.tools.providers`) is an arm of
+`ligertune.tools.compare`, run by its arm runner: a process of its own (so its peak memory is its own), or ``--nproc-per-node G``
 processes under torchrun with the peak taken over the ranks.
 
 * ``eager``: the Hugging Face model as built, every kernel off;
 * ``ligertune``: our kernels (the recipe's ``kernels: all`` selection);
 * ``liger``: every kernel of ours off, then Liger-Kernel's own instance patch
-  (``liger_kernel.transformers._apply_liger_kernel_to_instance``) on the built model, before
-  the parallel wrapper: the peer as a user of our loop would apply it. Liger also patches some
-  functions process-wide, which is harmless in a process of its own.
+  (``liger_kernel.transformers._apply_liger_kernel_to_instance``) on the built model through the
+  ``plugins: [liger]`` extension point, before the parallel wrapper: the peer as a user of our
+  loop would apply it. Liger also patches some functions process-wide, which is harmless in a
+  process of its own.
 
 Tokens/s (all input tokens, padding included), MFU and step time are medians/rates over the
-steps after ``--warmup`` (`ligertune.compare`'s definitions); memory is the CUDA caching
+steps after ``--warmup`` (`ligertune.tools.compare`'s definitions); memory is the CUDA caching
 allocator's peak allocated and reserved over the run.
 
 ``--seq-lens`` sweeps ``data.max_seq_len``: the same providers at each length, shortest first;
@@ -38,53 +39,28 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-PROVIDERS = ("eager", "ligertune", "liger")
-LIGER_ARM = "liger"  # arm names are "<provider>" or "<provider>-<seq len>"
-
-
-def inject(arm_name: str) -> None:
-    """Runs in the liger arms' processes (`ligertune.compare`'s arm hook, named by
-    ``LIGERTUNE_COMPARE_INJECT``): applies Liger's instance patch to every model the loop builds."""
-    from liger_kernel.transformers import _apply_liger_kernel_to_instance
-
-    import ligertune.train as train_module
-
-    build = train_module.build_model
-
-    def build_with_liger(recipe, device):
-        model = build(recipe, device)
-        _apply_liger_kernel_to_instance(model=model)
-        return model
-
-    train_module.build_model = build_with_liger
+from ligertune.tools.providers import PROVIDERS
 
 
 def run_provider(provider: str, name: str, args, overrides: list[str]) -> dict:
     """One arm: `provider` on the recipe with `overrides`, in `args.out / name`."""
-    from ligertune import compare
-    from ligertune.recipe import KernelsSection
+    from ligertune.tools.compare.plan import ArmSpec, arm_recipe_overrides, make_plan
+    from ligertune.tools.compare.runner import run_arm_process
 
-    kernels = KernelsSection.preset("all").enabled() if provider == "ligertune" else []
+    kernels = list(PROVIDERS[provider].kernels)
+    with_provider = [*overrides, *PROVIDERS[provider].overrides]
     directory = (args.out / name).resolve()
-    spec = compare.ArmSpec(
-        name, kernels, compare.arm_recipe_overrides(overrides, kernels, args.steps, directory), directory
+    spec = ArmSpec(
+        name, kernels, arm_recipe_overrides(with_provider, kernels, args.steps, directory), directory
     )
-    plan = compare.make_plan(
+    plan = make_plan(
         Path(args.recipe), overrides, steps=args.steps, out=args.out, nproc_per_node=args.nproc_per_node
     )
-    env = {}
-    if provider == LIGER_ARM:  # the arm imports this file as scripts.e2e_bench, from the repo root
-        root = str(Path(__file__).resolve().parent.parent)
-        env = {
-            compare.INJECT_ENV: "scripts.e2e_bench",
-            "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH")))),
-        }
-    result = compare.run_arm_process(spec, plan, env=env, timeout=args.timeout)
+    result = run_arm_process(spec, plan, timeout=args.timeout)
     return {"provider": provider, **result}
 
 
@@ -245,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         lengths = sorted(int(x) for x in args.seq_lens.split(",")) if args.seq_lens else [None]
     except ValueError:
         parser.error(f"--seq-lens takes a comma list of token counts, got {args.seq_lens!r}")
-    from ligertune.compare import CompareError, make_plan
-    from ligertune.recipe import RecipeError
+    from ligertune.config import RecipeError
+    from ligertune.tools.compare import CompareError, make_plan
 
     try:  # every option checked before anything is written or run
         make_plan(

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from ligertune.recipe_docs import render
+from ligertune.config.docs import render
 
 target = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
 target.write_text(render(), encoding="utf-8")

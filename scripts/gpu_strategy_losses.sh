@@ -55,8 +55,8 @@ elif [[ $ARMS == 1b-bf16-weights ]]; then
   "$PYTHON" - "$RECIPE" "$WORK/bf16-weights" <<'EOF' || exit 1
 import sys
 import torch
-from ligertune.models import build_model
-from ligertune.recipe import load_recipe
+from ligertune.models.build import build_model
+from ligertune.config import load_recipe
 
 recipe = load_recipe(sys.argv[1], ["training.precision=bf16-mixed"])
 build_model(recipe, torch.device("cuda")).to(torch.bfloat16).save_pretrained(sys.argv[2])

@@ -44,7 +44,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-PROVIDERS = ("ligertune", "liger", "eager")
+from ligertune.tools.providers import PROVIDERS
+
+PROVIDER_ORDER = ("ligertune", "liger", "eager")
 NCCL = "communication (NCCL)"
 TRITON = "fused Triton kernels"
 # First match wins; names are CUDA kernel names as the profiler records them. NCCL comes first:
@@ -132,7 +134,7 @@ def provider_overrides(provider: str, overrides: list[str], steps: int, out: Pat
     steps, its own output directory, and no evaluation or checkpoint during the steps."""
     return [
         *overrides,
-        "kernels=all" if provider == "ligertune" else "kernels=none",
+        *PROVIDERS[provider].recipe_overrides(),
         f"training.max_steps={steps}",
         f"output_dir={json.dumps(str((out / provider).resolve()))}",  # a JSON string is YAML, whatever the path
         "training.eval_every=null",
@@ -152,16 +154,11 @@ def profile(
     import torch
     from torch.profiler import ProfilerActivity, schedule
 
-    import ligertune.train as train_module
-    from ligertune.compare import launched_world
-    from ligertune.recipe import load_recipe
+    from ligertune.config import load_recipe
+    from ligertune.distributed.env import launched_as
+    from ligertune.training import train
 
-    if provider == "liger":
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from scripts.e2e_bench import inject
-
-        inject("liger")
-    rank, world, _ = launched_world()
+    rank, world = launched_as().rank, launched_as().world_size
     recipe = load_recipe(recipe_path, provider_overrides(provider, overrides, wait + 1 + active, out))
     seconds: list[float] = []
     with torch.profiler.profile(
@@ -174,7 +171,7 @@ def profile(
                 seconds.append(record.seconds)
             prof.step()  # on every rank after every step: the ranks record the same steps
 
-        train_module.train(recipe, on_step_end=on_step_end)
+        train(recipe, on_step_end=on_step_end)
 
     if rank != 0:
         return None
@@ -194,24 +191,25 @@ def provider_command(provider: str, args: argparse.Namespace) -> list[str]:
               "--active", str(args.active), "--out", str(args.out)]  # fmt: skip
     if args.nproc_per_node == 1:
         return [sys.executable, *script]
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}"]
-    return [sys.executable, *launcher, *script]
+    from ligertune.distributed.launch import LaunchOptions, torchrun
+
+    return torchrun(script, LaunchOptions(nproc_per_node=args.nproc_per_node))
 
 
 def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, providers: list[str]) -> None:
     """Every option and the recipe, before anything runs (an argparse error, exit status 2)."""
-    from ligertune.compare import launched_world
-    from ligertune.recipe import RecipeError, load_recipe
+    from ligertune.config import RecipeError, load_recipe
+    from ligertune.distributed.env import launched_as
 
     if not providers:
-        parser.error(f"--providers names none; choose from {', '.join(PROVIDERS)}")
+        parser.error(f"--providers names none; choose from {', '.join(PROVIDER_ORDER)}")
     if unknown := sorted(set(providers) - set(PROVIDERS)):
-        parser.error(f"unknown providers {unknown}; choose from {', '.join(PROVIDERS)}")
+        parser.error(f"unknown providers {unknown}; choose from {', '.join(PROVIDER_ORDER)}")
     if args.wait < 0 or args.active < 1:
         parser.error(f"--wait must be ≥ 0 and --active ≥ 1, got --wait {args.wait} --active {args.active}")
     if args.nproc_per_node < 1:
         parser.error(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
-    if launched_world()[1] > 1:
+    if launched_as().multi_process:
         parser.error("this script launches torchrun itself: run it as one process with --nproc-per-node G")
     for item in args.overrides:
         key = item.partition("=")[0]
@@ -238,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value (every provider)")
-    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument("--providers", default=",".join(PROVIDER_ORDER))
     parser.add_argument("--wait", type=int, default=3, help="steps before the profiler's warm-up step")
     parser.add_argument("--active", type=int, default=3, help="recorded steps")
     parser.add_argument(
@@ -254,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / f"{args.provider}.md").write_text(text)
             print(text, flush=True)
         return 0
-    from ligertune.compare import arm_environment
+    from ligertune.distributed.env import child_environment
 
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
     check_options(parser, args, providers)
@@ -262,8 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for provider in providers:
         started = time.monotonic()
-        # arm_environment: without the variables of an enclosing launcher, unbuffered output.
-        code = subprocess.run(provider_command(provider, args), env=arm_environment()).returncode
+        # Without the variables of an enclosing launcher, unbuffered output.
+        code = subprocess.run(provider_command(provider, args), env=child_environment()).returncode
         print(f"[{provider}] exit {code} in {time.monotonic() - started:.0f} s", flush=True)
         status = status or code
     return status

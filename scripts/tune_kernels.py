@@ -24,7 +24,7 @@ One process, three parts:
    of light, the best variant and its time) is printed last; ``tune.json`` (every variant) and
    ``tune.md`` go to ``--out``.
 
-Speed of light = minimal bytes (`ligertune.bench_cases.minimal_bytes`) / the device-to-device
+Speed of light = minimal bytes (`ligertune.tools.bench.cases.minimal_bytes`) / the device-to-device
 copy bandwidth measured at the start of the same run (read + write counted).
 
 ``--smoke`` runs everything on tiny shapes with few variants, on the CPU interpreter when there
@@ -50,11 +50,11 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     # The interpreter must be chosen before triton (and ligertune.kernels) is imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from ligertune.bench import Timer
-from ligertune.bench_cases import SPECS, ProviderUnavailable, minimal_bytes
 from ligertune.kernels import rms_norm as rms
 from ligertune.kernels import rope
 from ligertune.kernels._utils import sm_count
+from ligertune.tools.bench.cases import SPECS, ProviderUnavailable, minimal_bytes
+from ligertune.tools.bench.timing import Timer
 
 BF16 = torch.bfloat16
 RMS_EPS, LN_EPS = 1e-6, 1e-5

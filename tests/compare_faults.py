@@ -1,55 +1,49 @@
-"""Test-only faults for `ligertune compare` arms (never imported by ligertune itself).
+"""Faults for `ligertune compare` arms, as recipe plugins (never imported by ligertune itself).
 
-`ligertune.compare` imports the module named by ``LIGERTUNE_COMPARE_INJECT`` in every arm
-process and calls ``inject(arm_name)``. This module reads the faults to inject from
-``COMPARE_FAULTS``, a JSON mapping of arm name to fault:
+A plugin (``plugins: ["tests.compare_faults:<name>"]``, see `ligertune.training.transforms`)
+runs in every arm on the arm's own model and recipe, so each fault picks its arms by what the
+arm's recipe turns on:
 
-- ``{"scale_rms_norm": s}``: the RMSNorm kernel's output is multiplied by s (a broken kernel).
-- ``{"oom_at_step": k}``: the k-th optimizer step raises ``torch.OutOfMemoryError`` (simulated).
-- ``{"cuda_oom_at_step": k}``: the k-th step asks the CUDA allocator for 1 PiB (a real OOM).
+- `scale_rms_norm`: the RMSNorm kernel's output is multiplied by 1.5 (a broken kernel): every arm
+  that patches RMSNorm diverges, the others do not.
+- `oom_at_step_2_without_kernels`: in the arm with every kernel off, the second training forward
+  raises ``torch.OutOfMemoryError`` (simulated).
+- `cuda_oom_at_step_3_without_kernels`: likewise at the third, by asking the CUDA allocator for
+  1 PiB (a real OOM).
 """
 
 from __future__ import annotations
 
-import json
-import os
+import torch
 
-FAULTS_ENV = "COMPARE_FAULTS"
-
-
-def inject(arm_name: str) -> None:
-    fault = json.loads(os.environ.get(FAULTS_ENV, "{}")).get(arm_name)
-    if not fault:
-        return
-    if "scale_rms_norm" in fault:
-        _scale_rms_norm(fault["scale_rms_norm"])
-    if "oom_at_step" in fault:
-        _fail_at_step(fault["oom_at_step"], real=False)
-    if "cuda_oom_at_step" in fault:
-        _fail_at_step(fault["cuda_oom_at_step"], real=True)
+FAULTS = "tests.compare_faults"
 
 
-def _scale_rms_norm(scale: float) -> None:
+def plugin(name: str) -> str:
+    """The override that applies fault `name` in every arm."""
+    return f"plugins=[{FAULTS}:{name}]"
+
+
+def scale_rms_norm(model, recipe) -> None:
     from ligertune.kernels import rms_norm as module
 
     kernel = module.rms_norm
 
     def broken(*args, **kwargs):
-        return kernel(*args, **kwargs) * scale
+        return kernel(*args, **kwargs) * 1.5
 
     module.rms_norm = broken
 
 
-def _fail_at_step(step: int, real: bool) -> None:
-    import torch
-
-    from ligertune import train as loop
-
-    forward_backward = loop.forward_backward
+def _fail_at_forward(model, recipe, step: int, real: bool) -> None:
+    if recipe.kernels.enabled():
+        return
     calls = 0
 
-    def failing(*args, **kwargs):
+    def count(module, args, kwargs):
         nonlocal calls
+        if not module.training:
+            return
         calls += 1
         if calls == step:
             if real:
@@ -57,6 +51,13 @@ def _fail_at_step(step: int, real: bool) -> None:
             raise torch.OutOfMemoryError(
                 f"out of memory at step {step} (simulated by tests/compare_faults.py)"
             )
-        return forward_backward(*args, **kwargs)
 
-    loop.forward_backward = failing
+    model.register_forward_pre_hook(count, with_kwargs=True)
+
+
+def oom_at_step_2_without_kernels(model, recipe) -> None:
+    _fail_at_forward(model, recipe, 2, real=False)
+
+
+def cuda_oom_at_step_3_without_kernels(model, recipe) -> None:
+    _fail_at_forward(model, recipe, 3, real=True)

@@ -16,24 +16,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ligertune.bench import (
-    FILES,
-    MISMATCH_TOL,
-    BenchError,
-    BenchOptions,
-    Row,
-    RunContext,
-    Timer,
-    _new_storage_bytes,
-    derive_metrics,
-    parse_list,
-    parse_shapes,
-    plan_cases,
-    run,
-    run_cases,
-    write_outputs,
-)
-from ligertune.bench_cases import (
+from ligertune.cli import app
+from ligertune.tools.bench.cases import (
     PASSES,
     SPECS,
     Inputs,
@@ -42,7 +26,19 @@ from ligertune.bench_cases import (
     minimal_bytes,
     minimal_flops,
 )
-from ligertune.cli import app
+from ligertune.tools.bench.report import write_outputs
+from ligertune.tools.bench.results import FILES, MISMATCH_TOL, BenchError, Row
+from ligertune.tools.bench.run import (
+    BenchOptions,
+    RunContext,
+    derive_metrics,
+    parse_list,
+    parse_shapes,
+    plan_cases,
+    run,
+    run_cases,
+)
+from ligertune.tools.bench.timing import Timer, new_storage_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -53,8 +49,8 @@ KERNEL_MODULES = {
     "rope": "rope",
     "swiglu": "swiglu",
     "geglu": "swiglu",
-    "ce": "cross_entropy",
-    "flce": "fused_linear_cross_entropy",
+    "cross_entropy": "cross_entropy",
+    "fused_linear_cross_entropy": "fused_linear_cross_entropy",
 }
 
 
@@ -72,8 +68,8 @@ BWD_READS_WRITES = {
     "rope": (("cos", "sin"), ("q", "k")),
     "swiglu": (("gate", "up"), ("gate", "up")),
     "geglu": (("gate", "up"), ("gate", "up")),
-    "ce": (("logits", "target"), ("logits",)),
-    "flce": (("hidden", "weight", "target"), ("hidden", "weight")),
+    "cross_entropy": (("logits", "target"), ("logits",)),
+    "fused_linear_cross_entropy": (("hidden", "weight", "target"), ("hidden", "weight")),
 }
 
 
@@ -106,7 +102,7 @@ def test_minimal_bytes_match_the_tensors_an_eager_call_touches(kernel, dtype):
 def test_flce_flops_match_torch_flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
 
-    spec = SPECS["flce"]
+    spec = SPECS["fused_linear_cross_entropy"]
     shape = (24, 40, 136)
     inputs = spec.make_inputs(shape, torch.float32, torch.device("cpu"))
     fn = spec.eager(inputs)
@@ -114,7 +110,7 @@ def test_flce_flops_match_torch_flop_counter():
         loss = fn(*inputs.args)
     with FlopCounterMode(display=False) as bwd_counter:
         torch.autograd.grad(loss, inputs.differentiable)
-    expected = minimal_flops("flce", shape)
+    expected = minimal_flops("fused_linear_cross_entropy", shape)
     assert fwd_counter.get_total_flops() == expected["fwd"]
     assert bwd_counter.get_total_flops() == expected["bwd"]
     assert expected["full"] == expected["fwd"] + expected["bwd"]
@@ -138,12 +134,19 @@ def test_new_storage_bytes_counts_each_new_storage_once():
     grad_in_place = x.view(8, 8)  # a gradient written into the input's own storage
     fresh = torch.randn(32)
     assert (
-        _new_storage_bytes([grad_in_place, fresh, fresh[:4], None], {x.untyped_storage().data_ptr()})
-        == 32 * 4
+        new_storage_bytes([grad_in_place, fresh, fresh[:4], None], {x.untyped_storage().data_ptr()}) == 32 * 4
     )
 
 
-def _row(provider, ms, pass_="full", kernel="flce", status="ok", bytes_=4_000_000_000, flops=0):
+def _row(
+    provider,
+    ms,
+    pass_="full",
+    kernel="fused_linear_cross_entropy",
+    status="ok",
+    bytes_=4_000_000_000,
+    flops=0,
+):
     return Row(kernel, "1x2x3", "bf16", pass_, provider, status, ms=ms, bytes=bytes_, flops=flops)
 
 
@@ -276,25 +279,26 @@ def test_option_parsing_errors_name_the_problem_and_the_choices():
         parse_shapes(["rms_norm=16x96,0x4096"], ("rms_norm",))
     with pytest.raises(BenchError, match="expected KERNEL=SHAPE"):
         parse_shapes(["16384x4096"], ("rms_norm",))
-    with pytest.raises(BenchError, match="kernel 'ce' is not among --kernels"):
+    with pytest.raises(BenchError, match="kernel 'cross_entropy' is not among --kernels"):
         parse_shapes(["cross_entropy=8x32000"], ("rms_norm",))
 
 
-def test_aliases_overrides_and_case_order():
-    kernels = parse_list("flce,rms_norm,cross_entropy,flce", SPECS, "kernel", {"cross_entropy": "ce"})
-    assert kernels == ("flce", "rms_norm", "ce")
-    overrides = parse_shapes(["rms_norm=4x8,2x16", "fused_linear_cross_entropy=2x4x8"], kernels + ("flce",))
-    assert overrides == {"rms_norm": [(4, 8), (2, 16)], "flce": [(2, 4, 8)]}
+def test_names_overrides_and_case_order():
+    flce, ce = "fused_linear_cross_entropy", "cross_entropy"
+    kernels = parse_list(f"{flce},rms_norm,{ce},{flce}", SPECS, "kernel")
+    assert kernels == (flce, "rms_norm", ce)
+    overrides = parse_shapes(["rms_norm=4x8,2x16", f"{flce}=2x4x8"], kernels)
+    assert overrides == {"rms_norm": [(4, 8), (2, 16)], flce: [(2, 4, 8)]}
     cases = [(spec.name, shape) for spec, shape in plan_cases(kernels, overrides, "full")]
     # every kernel's headline shape (its --quick one, or the first given) comes first, so a time
     # budget drops sizes before kernels
     assert cases == [
-        ("flce", (2, 4, 8)),
+        (flce, (2, 4, 8)),
         ("rms_norm", (4, 8)),
-        ("ce", (8192, 128256)),
+        (ce, (8192, 128256)),
         ("rms_norm", (2, 16)),
-        ("ce", (8192, 32000)),
-        ("ce", (8192, 256000)),
+        (ce, (8192, 32000)),
+        (ce, (8192, 256000)),
     ]
     quick = [(spec.name, shape) for spec, shape in plan_cases(("rope", "swiglu"), {}, "quick")]
     assert quick == [("rope", SPECS["rope"].quick_shapes[0]), ("swiglu", SPECS["swiglu"].quick_shapes[0])]
@@ -421,8 +425,8 @@ GPU_SHAPES = [
     "rope=2x256x8x2x128",
     "swiglu=512x4096",
     "geglu=512x4096",
-    "ce=512x32000",
-    "flce=512x1024x32000",
+    "cross_entropy=512x32000",
+    "fused_linear_cross_entropy=512x1024x32000",
 ]
 
 
@@ -511,7 +515,7 @@ def test_gpu_backward_timer_excludes_the_setup():
 
 @pytest.mark.gpu
 def test_gpu_reference_rates_are_plausible():
-    from ligertune.bench import measure_rates
+    from ligertune.tools.bench.timing import measure_rates
 
     rates = measure_rates(torch.device("cuda"), Timer(torch.device("cuda"), 5, 50))
     assert 200 < rates["copy_gbps"] < 20_000

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from ligertune.checkpoint import (
+from ligertune.run.checkpoint import (
     COMPLETE,
     CheckpointManager,
     atomic_directory,
@@ -91,7 +91,7 @@ def test_a_failing_save_leaves_the_previous_directory(tmp_path):
 _SLOW_SAVER = """
 import sys, time, torch
 from pathlib import Path
-from ligertune.checkpoint import CheckpointManager
+from ligertune.run.checkpoint import CheckpointManager
 
 root = Path(sys.argv[1])
 manager = CheckpointManager(root, keep_last=2)

@@ -2,7 +2,7 @@
 
 The fast tests check the planning, the verdict rule and the rendering on hand-made arm results;
 the end-to-end tests run real arms (each a subprocess training the quickstart for a few steps)
-with faults from tests/compare_faults.py injected into chosen arms.
+with faults from tests/compare_faults.py applied as recipe plugins.
 """
 
 from __future__ import annotations
@@ -18,9 +18,13 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from ligertune import compare
-from ligertune.compare import CompareError, compare_command, loss_verdict, make_plan, merge_rank_results
-from ligertune.recipe import RecipeError
+from ligertune.config import RecipeError, load_recipe
+from ligertune.distributed.env import child_environment
+from ligertune.tools.compare import CompareError, compare_command, make_plan
+from ligertune.tools.compare import report as render
+from ligertune.tools.compare.runner import arm_command, merge_rank_results, run_arm_process
+from ligertune.tools.compare.verdict import build_report, compare_arms, loss_verdict
+from tests.compare_faults import plugin
 from tests.helpers import QUICKSTART, ROOT, TINY_MODEL, pythonpath_with_root
 
 # The quickstart, shrunk so that an arm trains in seconds under the Triton interpreter.
@@ -111,16 +115,14 @@ def test_an_arm_that_stopped_early_gives_no_verdict_but_the_steps_both_ran_are_c
 def test_memory_and_speed_ratios_and_the_oom_headline():
     base = arm("off", [3.0], status="oom", peak_mem_allocated_gib=130.0, peak_mem_reserved_gib=139.0)
     fits = arm("on", [3.0, 2.0], peak_mem_allocated_gib=65.0, peak_mem_reserved_gib=70.0, tokens_per_s=1000.0)
-    result = compare.compare_arms(base, fits, steps=2, rtol=1e-4)
+    result = compare_arms(base, fits, steps=2, rtol=1e-4)
     assert result["memory_ratio_allocated"] == pytest.approx(0.5)
     assert result["memory_ratio_reserved"] == pytest.approx(70 / 139)
     assert result["speedup"] is None  # the baseline never measured a rate
     assert result["summary"].startswith(
         "off runs out of memory (130.00 GiB allocated when it failed); on fits"
     )
-    both = compare.compare_arms(
-        arm("off", [3.0], tokens_per_s=800.0), arm("on", [3.0], tokens_per_s=1000.0), 1, 1e-4
-    )
+    both = compare_arms(arm("off", [3.0], tokens_per_s=800.0), arm("on", [3.0], tokens_per_s=1000.0), 1, 1e-4)
     assert both["speedup"] == pytest.approx(1.25)
 
 
@@ -154,15 +156,15 @@ def test_plan_has_off_on_and_one_arm_per_kernel_when_ablating(tmp_path):
     plan = make_plan(QUICKSTART, SMALL, steps=3, kernels="swiglu,rms_norm", ablate=True, out=tmp_path)
     assert [a.name for a in plan.arms] == ["off", "on", "rms_norm", "swiglu"]
     assert [a.kernels for a in plan.arms] == [[], ["rms_norm", "swiglu"], ["rms_norm"], ["swiglu"]]
-    on = compare.load_recipe(QUICKSTART, plan.arms[1].overrides)
+    on = load_recipe(QUICKSTART, plan.arms[1].overrides)
     assert on.kernels.enabled() == ["rms_norm", "swiglu"]
     assert on.training.max_steps == 3 and on.output_dir == str(tmp_path / "on")
     assert (
         on.checkpoint.every_steps is None and on.checkpoint.resume == "none" and not on.checkpoint.export_hf
     )
-    assert compare.load_recipe(QUICKSTART, plan.arms[0].overrides).kernels.enabled() == []
+    assert load_recipe(QUICKSTART, plan.arms[0].overrides).kernels.enabled() == []
     # Every arm keeps the user's recipe otherwise: same seed, model and data.
-    assert {compare.load_recipe(QUICKSTART, a.overrides).data.max_seq_len for a in plan.arms} == {64}
+    assert {load_recipe(QUICKSTART, a.overrides).data.max_seq_len for a in plan.arms} == {64}
     assert (plan.rtol, plan.nproc) == (1e-4, 1)
 
 
@@ -225,9 +227,12 @@ def test_arms_launch_through_torchrun_with_the_same_world_size(monkeypatch, tmp_
     monkeypatch.setenv("MASTER_PORT", "29500")
     plan = make_plan(QUICKSTART, [*SMALL, "parallel.strategy=ddp", "training.device=cpu"], out=tmp_path)
     assert plan.nproc == 4
-    command = compare.arm_command(tmp_path / "on" / "arm.json", plan.nproc)
-    assert command[1:6] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m"]
-    env = compare.arm_environment()
+    command = arm_command(tmp_path / "on" / "arm.json", plan.nproc)
+    assert command[1:] == [
+        "-m", "torch.distributed.run", "--nproc-per-node=4", "--nnodes=1", "--standalone",
+        "-m", "ligertune.tools.compare.arm", str(tmp_path / "on" / "arm.json"),
+    ]  # fmt: skip
+    env = child_environment()
     assert not {"WORLD_SIZE", "RANK", "MASTER_PORT", "LOCAL_WORLD_SIZE"} & set(
         env
     )  # the nested launch sets its own
@@ -238,9 +243,9 @@ def test_arms_launch_through_torchrun_with_the_same_world_size(monkeypatch, tmp_
         make_plan(QUICKSTART, [*SMALL, "parallel.strategy=ddp"], out=tmp_path)
     monkeypatch.setenv("RANK", "1")  # the other ranks of a torchrun-launched compare do nothing
     assert compare_command(QUICKSTART, ["not-an-override"], quiet_console()) == 0
-    assert compare.arm_command(tmp_path / "arm.json", 1)[1:] == [
+    assert arm_command(tmp_path / "arm.json", 1)[1:] == [
         "-m",
-        "ligertune.compare",
+        "ligertune.tools.compare.arm",
         str(tmp_path / "arm.json"),
     ]
 
@@ -256,7 +261,7 @@ def test_report_renders_an_oom_arm_to_markdown_and_png(tmp_path):
               peak_mem_reserved_gib=9.5, device="cuda", device_name="NVIDIA H200", log="off/arm.log")  # fmt: skip
     on = arm("on", [3.0, 2.5, 2.25], peak_mem_allocated_gib=4.0, peak_mem_reserved_gib=4.5, tokens_per_s=1234.5,
              device="cuda", device_name="NVIDIA H200", log="on/arm.log", kernels=["rms_norm"])  # fmt: skip
-    report = compare.build_report(plan, [off, on])
+    report = build_report(plan, [off, on])
     assert report["verdict"]["status"] == "incomplete" and report["speed_meaningful"]
     files = compare_render(report, tmp_path)
     text = Path(files["markdown"]).read_text()
@@ -268,8 +273,6 @@ def test_report_renders_an_oom_arm_to_markdown_and_png(tmp_path):
 
 
 def compare_render(report: dict, out: Path) -> dict:
-    from ligertune import report as render
-
     return render.write_outputs(report, out, quiet_console())
 
 
@@ -278,11 +281,9 @@ def compare_render(report: dict, out: Path) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def run_cli(*args: str, faults: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str) -> subprocess.CompletedProcess:
     # os.environ carries conftest's TRITON_INTERPRET=1 on a machine without a GPU.
     env = {**os.environ, "PYTHONPATH": pythonpath_with_root(), "COLUMNS": "160"}
-    if faults is not None:
-        env |= {compare.INJECT_ENV: "tests.compare_faults", "COMPARE_FAULTS": json.dumps(faults)}
     return subprocess.run(
         [sys.executable, "-m", "ligertune", "compare", *args],
         cwd=ROOT,
@@ -292,10 +293,9 @@ def run_cli(*args: str, faults: dict | None = None) -> subprocess.CompletedProce
     )
 
 
-def run_in_process(monkeypatch, tmp_path, faults: dict, *options, **kwargs) -> tuple[int, dict]:
+def run_in_process(monkeypatch, tmp_path, *options, **kwargs) -> tuple[int, dict]:
+    """A compare of the small quickstart; `options` are more overrides (a fault's plugin, say)."""
     monkeypatch.setenv("PYTHONPATH", pythonpath_with_root())
-    monkeypatch.setenv(compare.INJECT_ENV, "tests.compare_faults")
-    monkeypatch.setenv("COMPARE_FAULTS", json.dumps(faults))
     status = compare_command(QUICKSTART, [*SMALL, *options], quiet_console(), out=tmp_path, **kwargs)
     return status, json.loads((tmp_path / "compare.json").read_text())
 
@@ -326,9 +326,8 @@ def test_quickstart_compare_is_at_parity_in_fp32_with_a_stable_report(tmp_path):
 
 
 def test_a_broken_kernel_diverges_and_ablation_points_at_it(monkeypatch, tmp_path):
-    faults = {arm_name: {"scale_rms_norm": 1.5} for arm_name in ("on", "rms_norm")}
     status, report = run_in_process(
-        monkeypatch, tmp_path, faults, steps=3, kernels="rms_norm,swiglu", ablate=True
+        monkeypatch, tmp_path, plugin("scale_rms_norm"), steps=3, kernels="rms_norm,swiglu", ablate=True
     )
     assert status == 1  # a divergence is a failure for scripts
     by_arm = {c["arm"]: c for c in report["comparisons"]}
@@ -348,7 +347,7 @@ def test_a_broken_kernel_diverges_and_ablation_points_at_it(monkeypatch, tmp_pat
 def test_ablation_leaves_out_a_kernel_the_model_has_no_module_for(monkeypatch, tmp_path):
     # The quickstart is a Llama: RMSNorm modules, no LayerNorm. Its ablation arm would be `off` again.
     status, report = run_in_process(
-        monkeypatch, tmp_path, {}, steps=2, kernels="rms_norm,layer_norm", ablate=True
+        monkeypatch, tmp_path, steps=2, kernels="rms_norm,layer_norm", ablate=True
     )
     assert status == 0
     assert [a["name"] for a in report["arms"]] == ["off", "on", "rms_norm"]
@@ -359,7 +358,7 @@ def test_ablation_leaves_out_a_kernel_the_model_has_no_module_for(monkeypatch, t
 
 def test_an_arm_out_of_memory_is_reported_and_the_other_arm_still_runs(monkeypatch, tmp_path):
     status, report = run_in_process(
-        monkeypatch, tmp_path, {"off": {"oom_at_step": 2}}, steps=3, kernels="rms_norm"
+        monkeypatch, tmp_path, plugin("oom_at_step_2_without_kernels"), steps=3, kernels="rms_norm"
     )
     assert status == 0  # an OOM is a finding, not a failure
     off, on = report["arms"]
@@ -385,7 +384,7 @@ def test_a_torchrun_arm_runs_every_rank_and_merges_their_reports(tmp_path):
         nproc_per_node=2,
         out=tmp_path,
     )
-    result = compare.run_arm_process(plan.arms[0], plan)
+    result = run_arm_process(plan.arms[0], plan)
     assert result["status"] == "ok", result.get("error")
     assert result["ranks_reported"] == 2 and result["world_size"] == 2
     assert result["steps_completed"] == 1 and len(result["losses"]) == 1
@@ -404,7 +403,7 @@ GPU = ["training.device=cuda", "training.precision=bf16-mixed"]
 
 @pytest.mark.gpu
 def test_gpu_compare_bf16_is_at_parity_with_memory_and_mfu(monkeypatch, tmp_path):
-    status, report = run_in_process(monkeypatch, tmp_path, {}, *GPU, steps=20, kernels="all")
+    status, report = run_in_process(monkeypatch, tmp_path, *GPU, steps=20, kernels="all")
     assert status == 0, report["verdict"]
     assert report["verdict"]["parity"], report["comparisons"][0]["summary"]
     assert report["speed_meaningful"] and report["device"] == "cuda" and report["tolerance"]["rtol"] == 2e-2
@@ -415,7 +414,9 @@ def test_gpu_compare_bf16_is_at_parity_with_memory_and_mfu(monkeypatch, tmp_path
 
 @pytest.mark.gpu
 def test_gpu_real_oom_keeps_the_peak_reached(monkeypatch, tmp_path):
-    status, report = run_in_process(monkeypatch, tmp_path, {"off": {"cuda_oom_at_step": 3}}, *GPU, steps=4)
+    status, report = run_in_process(
+        monkeypatch, tmp_path, plugin("cuda_oom_at_step_3_without_kernels"), *GPU, steps=4
+    )
     off, on = report["arms"]
     assert off["status"] == "oom" and off["steps_completed"] == 2 and off["peak_mem_allocated_gib"] > 0
     assert "out of memory" in off["error"].lower() and "simulated" not in off["error"]
@@ -445,7 +446,7 @@ def test_gpu_two_process_arms_are_at_parity(monkeypatch, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machine)")
     status, report = run_in_process(
-        monkeypatch, tmp_path, {}, *GPU, "parallel.strategy=ddp", steps=10, kernels="all", nproc_per_node=2
+        monkeypatch, tmp_path, *GPU, "parallel.strategy=ddp", steps=10, kernels="all", nproc_per_node=2
     )
     assert status == 0 and report["verdict"]["parity"], report["comparisons"][0]["summary"]
     assert report["world_size"] == 2

@@ -27,10 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ligertune.checkpoint import Checkpoint
-from ligertune.distributed import DeepSpeedRuntime, FSDPRuntime, Runtime, deepspeed_config
-from ligertune.launch import LaunchError, LaunchOptions, check_options, torchrun_command
-from ligertune.recipe import RecipeError, load_recipe
+from ligertune.config import RecipeError, load_recipe
+from ligertune.config.deepspeed import deepspeed_config
+from ligertune.distributed import DeepSpeedRuntime, Runtime
+from ligertune.distributed.launch import LaunchError, LaunchOptions, check_options, torchrun_command
+from ligertune.run.checkpoint import Checkpoint
+from ligertune.training import train
 from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT, TINY_MODEL, pythonpath_with_root
 
 TINY = [
@@ -123,7 +125,7 @@ def assert_losses_close(
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> dict[str, Path]:
     """The one-process references: the base run and the kernels-on run."""
-    from ligertune.train import train
+    from ligertune.training import train
 
     root = tmp_path_factory.mktemp("single")
     runs = {"base": TINY + SHAPE_1 + RUN, "kernels": TINY + KERNELS + ["training.micro_batch_size=4"]}
@@ -211,7 +213,7 @@ def test_strategy_matches_one_process_and_resumes_exactly(strategy, single, tmp_
     if strategy != "deepspeed":
         # The full and DCP formats resume on another number of processes: here one, without a
         # launcher, at the same global batch (1 × 4 rows = 2 × 2 rows), so the same data order.
-        from ligertune.train import train
+        from ligertune.training import train
 
         one = tmp_path / "one-process"
         step_2 = f"checkpoint.resume={straight / 'checkpoints' / 'step-2'}"
@@ -489,9 +491,9 @@ def test_deepspeed_user_json_merges_and_may_not_contradict_the_recipe(tmp_path):
 
 
 def test_deepspeed_refuses_bf16_master_weights(tmp_path):
-    recipe = _ds_recipe(tmp_path, "training.precision=bf16", "training.device=auto")
+    # A recipe rule (training.deepspeed_precision): refused as the recipe is read.
     with pytest.raises(RecipeError, match="set training.precision=bf16-mixed"):
-        DeepSpeedRuntime(recipe)
+        _ds_recipe(tmp_path, "training.precision=bf16", "training.device=auto")
 
 
 def test_deepspeed_from_a_bf16_mixed_random_init_says_its_first_steps_move_less(tmp_path):
@@ -518,10 +520,15 @@ def test_deepspeed_from_a_bf16_mixed_random_init_says_its_first_steps_move_less(
             runtime.shutdown()
 
 
-def test_fsdp_cpu_offload_needs_a_gpu():
-    recipe = load_recipe(QUICKSTART, TINY + ["parallel.strategy=fsdp", "parallel.fsdp.cpu_offload=true"])
+def test_fsdp_cpu_offload_needs_a_gpu(tmp_path):
+    # A machine rule (parallel.fsdp_cpu_offload_needs_gpu): train refuses before any work.
+    recipe = load_recipe(
+        QUICKSTART,
+        TINY + ["parallel.strategy=fsdp", "parallel.fsdp.cpu_offload=true", f"output_dir={tmp_path / 'run'}"],
+    )
     with pytest.raises(RecipeError, match="needs training.device cuda"):
-        FSDPRuntime(recipe)
+        train(recipe)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_checkpoint_of_another_strategy_is_refused_with_the_fix(tmp_path):
@@ -548,7 +555,7 @@ def _work(spec: Path) -> None:
     import torch.distributed as dist
 
     from ligertune.kernels import fused_linear_cross_entropy as flce
-    from ligertune.train import train
+    from ligertune.training import train
 
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))

@@ -57,8 +57,8 @@ BF16_RTOL, FP32_RTOL = 2e-2, 1e-4
 
 
 def _train_here(overrides: list[str]):
-    from ligertune.recipe import load_recipe
-    from ligertune.train import train
+    from ligertune.config import load_recipe
+    from ligertune.training import train
 
     return train(load_recipe(QUICKSTART, overrides))
 

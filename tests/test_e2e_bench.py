@@ -1,5 +1,5 @@
-"""scripts/e2e_bench.py (HF eager vs ligertune vs Liger, each provider a `ligertune.compare` arm)
-and the per-arm timeout of `ligertune.compare.run_arm_process`.
+"""scripts/e2e_bench.py (HF eager vs ligertune vs Liger, each provider a `ligertune.tools.compare`
+arm) and the per-arm timeout of `ligertune.tools.compare.runner.run_arm_process`.
 
 CPU: a real ``--seq-lens`` sweep of the eager and ligertune providers on random-token rows (the
 quickstart shrunk to a tiny model, fp32, so the two must agree to the compare's fp32 rule); the
@@ -22,7 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from ligertune import compare
+from ligertune.config import load_recipe
+from ligertune.tools.compare import make_plan
+from ligertune.tools.compare.plan import ARM_LOG, ARM_SPEC, RTOL, ArmSpec
+from ligertune.tools.compare.runner import run_arm_process
+from ligertune.training.transforms import apply_transforms
 from scripts import e2e_bench
 from tests.helpers import QUICKSTART, TINY_MODEL, assert_refused_before_writing, run_repo_script
 
@@ -30,7 +34,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The tiny model without TINY_MODEL's data.max_seq_len: --seq-lens sets the length.
 TINY = [o for o in TINY_MODEL if not o.startswith("data.max_seq_len")]
 SMALL = [*TINY, "data.validation_fraction=0", "training.micro_batch_size=1"]
-FP32_RTOL = compare.RTOL["fp32"]
+FP32_RTOL = RTOL["fp32"]
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
@@ -85,12 +89,12 @@ def test_seq_len_sweep_on_random_rows_trains_both_providers_at_parity(tmp_path):
         assert r["tokens_per_s"] * r["step_time_median_s"] == pytest.approx(length, rel=1e-6)
         assert r["label_tokens_per_s"] / r["tokens_per_s"] == pytest.approx((length - 1) / length)
         arm_dir = tmp_path / f"{r['provider']}-{length}"
-        overrides = json.loads((arm_dir / compare.ARM_SPEC).read_text())["overrides"]
+        overrides = json.loads((arm_dir / ARM_SPEC).read_text())["overrides"]
         assert f"data.path={json.dumps(str(data.resolve()))}" in overrides
         assert {"data.format=pretokenized", "data.packing=false", f"data.max_seq_len={length}"} <= set(
             overrides
         )
-        log = (arm_dir / compare.ARM_LOG).read_text()
+        log = (arm_dir / ARM_LOG).read_text()
         assert f"1 samples → 1 sequences of ≤ {length} tokens" in log, log
         start = json.loads((arm_dir / "metrics.jsonl").read_text().splitlines()[0])
         assert start["event"] == "start"
@@ -259,10 +263,10 @@ def test_bad_options_exit_with_an_argparse_error(tmp_path, capsys, args, message
     )
 
 
-def test_liger_hook_patches_the_model_the_loop_builds(monkeypatch):
-    """`inject` (run in the liger arms) wraps `ligertune.train.build_model`; Liger itself is a
-    stand-in here, recording the models handed to its instance patch."""
-    import ligertune.train as train_module
+def test_liger_provider_patches_the_model_through_the_plugin(monkeypatch):
+    """The liger provider's `plugins: [liger]` hands the built model to Liger's instance patch;
+    Liger itself is a stand-in here, recording the models it is given."""
+    from tests.helpers import tiny_llama
 
     patched = []
     liger = types.ModuleType("liger_kernel")
@@ -270,14 +274,11 @@ def test_liger_hook_patches_the_model_the_loop_builds(monkeypatch):
     liger.transformers._apply_liger_kernel_to_instance = lambda *, model: patched.append(model)
     monkeypatch.setitem(sys.modules, "liger_kernel", liger)
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", liger.transformers)
-    built = []
-    monkeypatch.setattr(
-        train_module, "build_model", lambda recipe, device: built.append(object()) or built[-1]
-    )
-
-    e2e_bench.inject("liger-64")
-    model = train_module.build_model("recipe", "cpu")
-    assert built == [model] and patched == [model]
+    recipe = load_recipe(QUICKSTART, [*SMALL, *e2e_bench.PROVIDERS["liger"].recipe_overrides()])
+    model = tiny_llama(vocab_size=64, hidden_size=32, intermediate_size=48)
+    transformed, reports = apply_transforms(model, recipe)
+    assert transformed is model and patched == [model]
+    assert "kernels" not in reports and reports["plugins"] == "plugins applied: liger"
 
 
 # --------------------------------------------------------------------------------------------
@@ -303,19 +304,19 @@ def processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def run_past_timeout(tmp_path: Path, nproc: int, timeout: float) -> tuple[dict, compare.ArmSpec]:
+def run_past_timeout(tmp_path: Path, nproc: int, timeout: float) -> tuple[dict, ArmSpec]:
     """Run the kernels-off arm of an endless tiny quickstart with `timeout`; check it returned
     within the timeout plus the parent's 60 s grace, as an error, with none of its processes left."""
     strategy = ["parallel.strategy=ddp", "training.device=cpu"] if nproc > 1 else []
-    plan = compare.make_plan(
+    plan = make_plan(
         QUICKSTART, [*SMALL, *strategy], steps=ENDLESS, kernels="rms_norm", out=tmp_path, nproc_per_node=nproc
     )
     arm = plan.arms[0]
     started = time.monotonic()
-    outcome = compare.run_arm_process(arm, plan, timeout=timeout)
+    outcome = run_arm_process(arm, plan, timeout=timeout)
     elapsed = time.monotonic() - started
     assert timeout <= elapsed < timeout + 60, elapsed
-    assert processes_mentioning(str(arm.directory / compare.ARM_SPEC)) == []
+    assert processes_mentioning(str(arm.directory / ARM_SPEC)) == []
     assert outcome["status"] == "error" and outcome["steps_completed"] < ENDLESS, outcome
     return outcome, arm
 
@@ -325,13 +326,13 @@ def test_a_single_process_arm_past_its_timeout_is_killed(tmp_path):
     assert outcome["error"].startswith("timed out after 5 s"), outcome["error"]
 
 
-def loop_started(arm: compare.ArmSpec) -> bool:
+def loop_started(arm: ArmSpec) -> bool:
     """Whether rank 0 had reached the training loop (it writes the start record just before)."""
     metrics = arm.directory / "metrics.jsonl"
     return metrics.exists() and '"event": "start"' in metrics.read_text()
 
 
-def assert_reported_as_timed_out(outcome: dict, timeout: float, arm: compare.ArmSpec) -> None:
+def assert_reported_as_timed_out(outcome: dict, timeout: float, arm: ArmSpec) -> None:
     assert f"timed out after {timeout:g} s" in outcome["error"], outcome["error"]
     # Stopped, not asked to stop: `train` answers SIGTERM by saving a checkpoint, which an arm
     # must not spend minutes on.
@@ -375,7 +376,7 @@ def test_gpu_sweep_of_all_providers_in_bf16_agrees_and_measures_memory(tmp_path)
         eager = by["eager", length]["losses"]
         for provider in ("ligertune", "liger"):
             losses = by[provider, length]["losses"]
-            assert max(relative_differences(losses, eager)) <= compare.RTOL["bf16-mixed"], (provider, length)
+            assert max(relative_differences(losses, eager)) <= RTOL["bf16-mixed"], (provider, length)
             # A patched model rounds differently from eager somewhere in 8 bf16 steps.
             assert losses != eager, f"{provider} at {length} trained bit-identically to eager: not patched?"
     assert report["longest"] == {p: {"seq_len": 1024, "first_failure": None} for p in report["providers"]}

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from ligertune import metrics
-from ligertune.metrics import MetricsLogger, RunSummary, Throughput, format_train_line
+from ligertune.run import metrics
+from ligertune.run.metrics import MetricsLogger, RunSummary, Throughput, format_train_line
 from tests.helpers import tiny_llama
 
 

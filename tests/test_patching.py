@@ -26,8 +26,9 @@ from typer.testing import CliRunner
 
 import ligertune.kernels.rms_norm as rms_kernel
 from ligertune.cli import app
-from ligertune.patching import FP32_TOL, parity_check, patch_model
-from ligertune.recipe import KERNEL_NAMES
+from ligertune.patching import patch_model
+from ligertune.patching.registry import KERNEL_NAMES
+from ligertune.tools.check import FP32_TOL, parity_check
 from tests.kernels.helpers import rel_err
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"

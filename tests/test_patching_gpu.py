@@ -3,7 +3,7 @@
 Every family at hidden 1024, 4 layers, 16 heads (4 KV heads, head_dim 64), intermediate 2816,
 vocab 32000, batch 4 × 512 tokens. Tolerances:
 
-* fp32 parity: 1e-5 relative (``ligertune.patching.FP32_TOL``) on loss, eval logits and every
+* fp32 parity: 1e-5 relative (``ligertune.tools.check.FP32_TOL``) on loss, eval logits and every
   gradient. TF32 is off (PyTorch's default for matmuls), so both models compute in true fp32.
 * bf16 parity: both models are compared with an fp32 run of the same (bf16-valued) weights; the
   patched model's relative error must be ≤ 2 × HF's own + 2⁻⁸ (``parity_check``'s 16-bit rule).
@@ -20,7 +20,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from ligertune.patching import FP32_TOL, parity_check, patch_model
+from ligertune.patching import patch_model
+from ligertune.tools.check import FP32_TOL, parity_check
 
 pytestmark = pytest.mark.gpu
 

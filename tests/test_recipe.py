@@ -9,14 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ligertune.recipe import (
-    KERNEL_NAMES,
-    Recipe,
-    RecipeError,
-    apply_overrides,
-    load_recipe,
-    validate_recipe,
-)
+from ligertune.config import Recipe, RecipeError, apply_overrides, load_recipe, validate_recipe
+from ligertune.patching.registry import KERNEL_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKEN = Path(__file__).resolve().parent / "recipes"

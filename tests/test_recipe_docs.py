@@ -4,8 +4,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from ligertune.recipe import Recipe
-from ligertune.recipe_docs import render
+from ligertune.config import Recipe
+from ligertune.config.docs import render
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
 

@@ -20,20 +20,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ligertune.checkpoint import load_checkpoint
+from ligertune.config import RecipeError, load_recipe
+from ligertune.data.formats import IGNORE_INDEX
 from ligertune.distributed import Runtime, create_runtime
-from ligertune.models import build_config, build_model, prepare_for_training
-from ligertune.recipe import RecipeError, load_recipe
-from ligertune.train import (
-    IGNORE_INDEX,
-    TrainingError,
-    _position_warning,
-    autocast_for,
-    build_optimizer,
-    build_scheduler,
-    forward_backward,
-    train,
-)
+from ligertune.models.build import build_config, build_model
+from ligertune.objectives.causal_lm import CausalLM
+from ligertune.run.checkpoint import load_checkpoint
+from ligertune.training import TrainingError, train
+from ligertune.training.optim import autocast_for, build_optimizer, build_scheduler
+from ligertune.training.resume import position_warning
+from ligertune.training.step import forward_backward
+from ligertune.training.transforms import apply_transforms
 from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT, TINY_MODEL, tiny_llama
 
 TINY = [
@@ -102,8 +99,8 @@ def test_accumulation_4x1_equals_1x4_with_unequal_label_counts():
     runtime = Runtime(torch.device("cpu"))
     no_autocast = lambda: autocast_for("fp32", runtime.device)
 
-    one = forward_backward(model_a, [batch], runtime, no_autocast)
-    four = forward_backward(model_b, rows, runtime, no_autocast)
+    one = forward_backward(model_a, CausalLM(), [batch], runtime, no_autocast)
+    four = forward_backward(model_b, CausalLM(), rows, runtime, no_autocast)
 
     counts = [int((r["labels"][:, 1:] != IGNORE_INDEX).sum()) for r in rows]
     assert int(one.label_tokens) == int(four.label_tokens) == sum(counts)
@@ -296,14 +293,14 @@ def test_activation_checkpointing_keeps_gradients():
     plain = tiny_llama(vocab_size=256, hidden_size=32, intermediate_size=48)
     plain.config.use_cache = False
     checkpointed = copy.deepcopy(plain)
-    prepare_for_training(checkpointed, recipe)
+    apply_transforms(checkpointed, recipe)
     assert checkpointed.is_gradient_checkpointing
     batch = _packed_rows(torch.Generator().manual_seed(3), 256, 32)
     runtime = Runtime(torch.device("cpu"))
     no_autocast = lambda: autocast_for("fp32", runtime.device)
     plain.train()
-    forward_backward(plain, [batch], runtime, no_autocast)
-    forward_backward(checkpointed, [batch], runtime, no_autocast)
+    forward_backward(plain, CausalLM(), [batch], runtime, no_autocast)
+    forward_backward(checkpointed, CausalLM(), [batch], runtime, no_autocast)
     for pa, pb in zip(plain.parameters(), checkpointed.parameters(), strict=True):
         torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-7)
 
@@ -362,8 +359,8 @@ def test_save_final_false_leaves_no_checkpoint_but_a_signal_still_saves(tmp_path
 
 def test_resume_warns_when_the_data_order_changed():
     saved = {"seed": 1, "micro_batch_size": 2, "world_size": 1, "data": {"path": "a"}}
-    assert _position_warning(saved, dict(saved)) is None
-    warning = _position_warning(saved, saved | {"micro_batch_size": 4, "seed": 2})
+    assert position_warning(saved, dict(saved)) is None
+    warning = position_warning(saved, saved | {"micro_batch_size": 4, "seed": 2})
     assert warning.startswith("warning: seed, micro_batch_size changed")
 
 
@@ -456,7 +453,7 @@ def test_export_round_trip_and_metrics_file(tmp_path):
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_mid_step_lets_the_step_finish_then_saves_and_stops(tmp_path, monkeypatch, signum):
-    import ligertune.train as loop
+    import ligertune.training.trainer as loop
 
     real = loop.forward_backward
     calls = []

@@ -11,16 +11,11 @@ Every problem with the data a user can fix raises `DataError` with one line nami
 what is wrong; the CLI prints it and exits with status 2.
 """
 
-
-class DataError(ValueError):
-    """A dataset or tokenizer problem the user must fix; the message is one line."""
-
-
-# The submodules import DataError from here, so they come after it.
-from ligertune.data.loader import MicroBatchLoader  # noqa: E402
-from ligertune.data.packing import SequenceDataset  # noqa: E402
-from ligertune.data.pipeline import DataStats, PreparedData, build_datasets  # noqa: E402
-from ligertune.data.tokenizer import load_tokenizer  # noqa: E402
+from ligertune.data.loader import MicroBatchLoader
+from ligertune.data.packing import SequenceDataset
+from ligertune.data.pipeline import DataStats, PreparedData, build_datasets
+from ligertune.data.tokenizer import load_tokenizer
+from ligertune.errors import DataError
 
 __all__ = [
     "DataError",

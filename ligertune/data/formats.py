@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ligertune.data import DataError
+from ligertune.errors import DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

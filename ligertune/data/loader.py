@@ -16,8 +16,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from ligertune.data import DataError
 from ligertune.data.formats import IGNORE_INDEX
+from ligertune.errors import DataError
 
 Batch = dict[str, torch.Tensor]
 

@@ -17,16 +17,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ligertune.data import DataError
 from ligertune.data.formats import check_columns, columns_for, tokenize_rows
 from ligertune.data.packing import SequenceDataset, build_rows, truncate_and_mask
 from ligertune.data.sources import load_split
+from ligertune.errors import DataError
 
 if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedTokenizerBase
 
-    from ligertune.recipe import DataSection, Recipe
+    from ligertune.config import DataSection, Recipe
 
 # Independent random streams derived from the recipe seed, one per purpose.
 SHUFFLE_STREAM, HOLDOUT_STREAM = 0, 1

@@ -20,13 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ligertune.data import DataError
-from ligertune.recipe import looks_local
+from ligertune.errors import DataError
+from ligertune.paths import looks_local
 
 if TYPE_CHECKING:
     import datasets
 
-    from ligertune.recipe import Recipe
+    from ligertune.config import Recipe
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 TEXT_SUFFIXES = (".json", ".jsonl", ".csv")

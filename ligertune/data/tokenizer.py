@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ligertune.data import DataError
-from ligertune.recipe import looks_local
+from ligertune.errors import DataError
+from ligertune.paths import looks_local
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from ligertune.recipe import Recipe
+    from ligertune.config import Recipe
 
 PAD, BOS, EOS = "<|pad|>", "<|bos|>", "<|eos|>"
 TURN_START, TURN_END = "<|im_start|>", "<|im_end|>"

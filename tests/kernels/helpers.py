@@ -7,7 +7,7 @@ Tolerances (against a float64 reference computed from the same, already-rounded 
 * bf16: every element within ``2**-7 · (|ref| + mean|ref|)``. A correctly rounded bf16 result
   is within 2**-9 of the exact value; we allow two units in the last place (2**-7 relative)
   because the CPU interpreter truncates fp32→bf16 instead of rounding (one extra step,
-  DESIGN.md) and because the HF modules we match round an intermediate to bf16 as well.
+  docs/architecture.md) and because the HF modules we match round an intermediate to bf16 as well.
   The ``mean|ref|`` floor covers elements that are small only through cancellation (their
   error scales with the terms that cancelled, not with the result).
 

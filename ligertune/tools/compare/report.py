@@ -1,6 +1,6 @@
 """Rendering a `ligertune compare` report: a rich table, a Markdown file and a PNG plot.
 
-Everything here reads the JSON-ready mapping built by `ligertune.compare.build_report` and
+Everything here reads the JSON-ready mapping built by `ligertune.tools.compare.verdict.build_report` and
 nothing else, so a saved ``compare.json`` can be rendered again. The terminal table and the
 Markdown table come from the same rows (`metric_rows`): one arm per column, one metric per row.
 """

@@ -1,6 +1,6 @@
 """Which Hugging Face classes each supported model family uses, in one table.
 
-`patching.py` reads this table to find modules *by type* in an instantiated model; it never
+`ligertune.patching` reads this table to find modules *by type* in an instantiated model; it never
 copies a modeling file. One row per ``config.model_type``. Everything that differs between
 families and matters to a kernel is a field here:
 

@@ -2,13 +2,13 @@
 
 A spec says how to build the inputs for a shape, how each provider computes the op, and the
 *minimal bytes* (and, for the fused linear cross entropy, FLOPs) of each pass, from which the
-speed of light follows. How things are measured lives in `ligertune.bench`.
+speed of light follows. How things are measured lives in `ligertune.tools.bench.run`.
 
 Providers, all called with the same positional tensors (``Inputs.tensors``, in order):
 
 * ``eager``: what a Hugging Face model runs without our kernels: ``LlamaRMSNorm``,
   ``nn.LayerNorm``, HF ``apply_rotary_pos_emb``, ``ACT2FN[...](gate) * up``, and for the losses
-  HF's recipe, logits upcast to fp32 then ``F.cross_entropy`` (so "eager" for ce/flce is the
+  HF's recipe, logits upcast to fp32 then ``F.cross_entropy`` (so "eager" for the losses is the
   fp32-upcast loss that ``ForCausalLMLoss`` computes);
 * ``compile``: ``torch.compile`` of that same eager function (default mode, static shapes);
 * ``liger``: Liger-Kernel's functional API (``liger_kernel.transformers.functional``), when it is
@@ -82,7 +82,7 @@ Builder = Callable[[Inputs], Callable[..., object]]
 class KernelSpec:
     name: str
     dims: tuple[str, ...]  # names of the shape's integers, e.g. ("rows", "hidden")
-    shapes: tuple[Shape, ...]  # the full GPU benchmark (DESIGN.md "Benchmark shapes")
+    shapes: tuple[Shape, ...]  # the full GPU benchmark (docs/benchmarks.md lists them)
     quick_shapes: tuple[Shape, ...]  # --quick on a GPU: one representative size
     cpu_shapes: tuple[Shape, ...]  # CPU (interpreter): tiny, to exercise the code path only
     make_inputs: Callable[[Shape, torch.dtype, torch.device], Inputs]
@@ -137,11 +137,15 @@ MINIMAL_BYTES: dict[str, Callable[..., tuple[int, int, int]]] = {
     "geglu": lambda e, n, i: (3 * e * n * i, 5 * e * n * i, 8 * e * n * i),
     # fwd: read logits, targets; write the loss.  bwd: read logits, targets, dloss; write
     # dlogits.  full (fused): read logits, targets; write loss, dlogits.
-    "ce": lambda e, n, v: (e * n * v + 8 * n + 4, 2 * e * n * v + 8 * n + 4, 2 * e * n * v + 8 * n + 4),
+    "cross_entropy": lambda e, n, v: (
+        e * n * v + 8 * n + 4,
+        2 * e * n * v + 8 * n + 4,
+        2 * e * n * v + 8 * n + 4,
+    ),
     # hidden [N,H], weight [V,H]; the logits are never stored.  fwd: read hidden, weight,
     # targets; write loss.  bwd: read hidden, weight, targets, dloss; write dhidden, dweight.
     # full (fused): read hidden, weight, targets; write loss, dhidden, dweight.
-    "flce": lambda e, n, h, v: (
+    "fused_linear_cross_entropy": lambda e, n, h, v: (
         e * (n * h + v * h) + 8 * n + 4,
         2 * e * (n * h + v * h) + 8 * n + 4,
         2 * e * (n * h + v * h) + 8 * n + 4,
@@ -154,7 +158,7 @@ MINIMAL_BYTES: dict[str, Callable[..., tuple[int, int, int]]] = {
 # 2·N·H·V each. An implementation that keeps no logits recomputes them, but that is its
 # choice, not a minimum: fwd 2NHV, bwd 4NHV, full 6NHV.
 MINIMAL_FLOPS: dict[str, Callable[..., tuple[int, int, int]]] = {
-    "flce": lambda n, h, v: (2 * n * h * v, 4 * n * h * v, 6 * n * h * v),
+    "fused_linear_cross_entropy": lambda n, h, v: (2 * n * h * v, 4 * n * h * v, 6 * n * h * v),
 }
 
 
@@ -421,7 +425,7 @@ SPECS: dict[str, KernelSpec] = {
             _same_args(lambda: _liger("liger_geglu")), _same_args(lambda: _ours("swiglu", "geglu")),
         ),
         KernelSpec(
-            "ce", ("rows", "vocab"), ((8192, 32000), (8192, 128256), (8192, 256000)),
+            "cross_entropy", ("rows", "vocab"), ((8192, 32000), (8192, 128256), (8192, 256000)),
             ((8192, 128256),), ((16, 512), (16, 1024)),
             _ce_inputs, _eager_ce,
             _same_args(lambda: _liger("liger_cross_entropy")),
@@ -429,7 +433,7 @@ SPECS: dict[str, KernelSpec] = {
             loss=True,
         ),
         KernelSpec(
-            "flce", ("rows", "hidden", "vocab"),
+            "fused_linear_cross_entropy", ("rows", "hidden", "vocab"),
             ((8192, 4096, 32000), (8192, 4096, 128256), (8192, 4096, 256000), (32768, 4096, 128256)),
             ((8192, 4096, 128256),), ((16, 32, 512), (16, 32, 1024)),
             _flce_inputs, _eager_flce,
@@ -439,6 +443,3 @@ SPECS: dict[str, KernelSpec] = {
         ),
     )
 }  # fmt: skip
-
-# Spellings accepted on the command line for the two losses.
-ALIASES = {"cross_entropy": "ce", "fused_linear_cross_entropy": "flce"}

@@ -29,7 +29,6 @@ its summary names the first failing rank and, through `record_errors`, its trace
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -38,10 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from ligertune.recipe import Recipe
-
-# torchrun sets this for every process it starts (and for nothing else).
-_TORCHRUN_MARK = "TORCHELASTIC_RUN_ID"
+from ligertune.config import Recipe
+from ligertune.distributed.env import launched_by_torchrun
 
 
 class LaunchError(ValueError):
@@ -68,10 +65,6 @@ class LaunchOptions:
     @property
     def world_size(self) -> int:
         return (self.nproc_per_node or 1) * self.nnodes
-
-
-def launched_by_torchrun() -> bool:
-    return _TORCHRUN_MARK in os.environ
 
 
 def check_options(options: LaunchOptions, recipe: Recipe) -> None:
@@ -126,8 +119,9 @@ def _check_gpus(options: LaunchOptions, recipe: Recipe) -> None:
         )
 
 
-def torchrun_command(recipe_path: Path, overrides: list[str], options: LaunchOptions) -> list[str]:
-    """The torchrun command line that runs ``ligertune train`` on this node."""
+def torchrun(target: list[str], options: LaunchOptions) -> list[str]:
+    """``python -m torch.distributed.run <rendezvous options> <target>``: the one place a torchrun
+    command line is built. `target` is what each worker runs (``["-m", "ligertune", "train", …]``)."""
     command = [
         sys.executable,
         "-m",
@@ -145,7 +139,12 @@ def torchrun_command(recipe_path: Path, overrides: list[str], options: LaunchOpt
             f"--rdzv-endpoint={options.rdzv_endpoint}",
             f"--node-rank={options.node_rank}",
         ]
-    return command + ["-m", "ligertune", "train", str(recipe_path), *overrides]
+    return command + target
+
+
+def torchrun_command(recipe_path: Path, overrides: list[str], options: LaunchOptions) -> list[str]:
+    """The torchrun command line that runs ``ligertune train`` on this node."""
+    return torchrun(["-m", "ligertune", "train", str(recipe_path), *overrides], options)
 
 
 def launch(recipe_path: Path, overrides: list[str], options: LaunchOptions) -> int:

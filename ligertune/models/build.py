@@ -5,7 +5,7 @@ Two sources (the recipe validator guarantees exactly one is set):
 - ``model.name_or_path``: pretrained weights from a hub id or a local directory, loaded with
   ``AutoModelForCausalLM.from_pretrained`` in the parameter dtype of the chosen precision.
 - ``model.config``: a random-init architecture, either a shipped name
-  (`ligertune.configs.SHIPPED_CONFIGS`) or a transformers config mapping with ``model_type``;
+  (`ligertune.models.architectures.SHIPPED_CONFIGS`) or a transformers config mapping with ``model_type``;
   used for benchmarks and offline runs. Initialisation is seeded by the recipe seed.
 
 ``model.config_overrides`` change config fields. For a random-init architecture they are
@@ -14,7 +14,7 @@ so derived fields (``head_dim`` from ``hidden_size``) follow. For pretrained wei
 set on the loaded config (shapes must then still match the checkpoint). Unknown keys are an
 error, not silently stored attributes.
 
-Parameter dtype by ``training.precision`` (see `ligertune.train` for the trade-offs):
+Parameter dtype by ``training.precision`` (see `ligertune.training` for the trade-offs):
 ``bf16`` → bfloat16 parameters; ``bf16-mixed`` and ``fp32`` → float32 parameters.
 """
 
@@ -22,14 +22,18 @@ from __future__ import annotations
 
 import copy
 import difflib
-import importlib.util
 import inspect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ligertune.recipe import Recipe, RecipeError, looks_local
+from ligertune.errors import RecipeError
+from ligertune.models.architectures import SHIPPED_CONFIGS
+from ligertune.paths import looks_local
+
+if TYPE_CHECKING:  # the schema is a layer above: models are built from its values, never import it
+    from ligertune.config import Recipe
 
 
 def param_dtype(precision: str) -> torch.dtype:
@@ -71,8 +75,6 @@ def build_config(recipe: Recipe):
         return config
 
     if isinstance(recipe.model.config, str):
-        from ligertune.configs import SHIPPED_CONFIGS
-
         mapping = copy.deepcopy(SHIPPED_CONFIGS[recipe.model.config])
     else:
         mapping = copy.deepcopy(recipe.model.config)
@@ -90,25 +92,10 @@ def build_config(recipe: Recipe):
     return AutoConfig.for_model(model_type, **{**mapping, **overrides})
 
 
-def _check_attention(recipe: Recipe, device: torch.device) -> None:
-    if recipe.model.attn_implementation != "flash_attention_2":
-        return
-    if importlib.util.find_spec("flash_attn") is None:
-        raise RecipeError(
-            [
-                "model.attn_implementation: flash_attention_2 needs the flash-attn package, which is not "
-                "installed; install it (pip install flash-attn --no-build-isolation) or use sdpa"
-            ]
-        )
-    if device.type != "cuda":
-        raise RecipeError(["model.attn_implementation: flash_attention_2 runs on CUDA only; use sdpa on CPU"])
-
-
 def build_model(recipe: Recipe, device: torch.device):
     """Load or randomly initialise the causal LM, its parameters materialised on `device`."""
     from transformers import AutoModelForCausalLM
 
-    _check_attention(recipe, device)
     config = build_config(recipe)
     dtype = param_dtype(recipe.training.precision)
     common = dict(
@@ -178,43 +165,3 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             ]
         )
     return layers
-
-
-def prepare_for_training(model: nn.Module, recipe: Recipe):
-    """Kernel patching, activation checkpointing and compilation, in that order, in place.
-
-    Patching comes first so that checkpointing and compilation see the final modules.
-    Returns the `ligertune.patching.PatchReport` (None when every kernel is off).
-    """
-    report = None
-    enabled = recipe.kernels.enabled()
-    if enabled:
-        try:
-            from ligertune.patching import patch_model
-        except ModuleNotFoundError as e:
-            if e.name != "ligertune.patching":
-                raise
-            raise RecipeError(
-                [
-                    f"kernels: {', '.join(enabled)} asked for, but kernels are not available yet; set kernels: none"
-                ]
-            ) from None
-        report = patch_model(model, recipe.kernels)
-    model.train()
-    if recipe.training.activation_checkpointing:
-        if not model.supports_gradient_checkpointing:
-            raise RecipeError(
-                [
-                    f"training.activation_checkpointing: {type(model).__name__} does not support it; set it to false"
-                ]
-            )
-        # Non-reentrant checkpointing works with inputs that need no grad, with kwargs and
-        # with torch.compile; the reentrant variant does not.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if recipe.training.compile:
-        # Compiling each layer in place (not the whole model) keeps state-dict names unchanged,
-        # compiles one graph reused by every layer, and leaves the loss head (where the fused
-        # linear cross entropy lives) to its own kernels.
-        for layer in decoder_layers(model):
-            layer.compile()
-    return report

@@ -1,0 +1,252 @@
+"""Every rule that relates recipe keys to each other or to the machine, each with a name.
+
+A field's own type and range are the schema's (`ligertune.config.schema`); everything that needs
+two keys, a file, or a fact about the machine is a rule here, so that one list answers "what can
+make a recipe invalid". ``docs/recipes.md`` lists them (generated from this module).
+
+Two phases:
+
+- *recipe* rules read the recipe (and the files it names) only. `ligertune.config.load_recipe`
+  runs them, so ``ligertune validate``, ``train``, ``compare`` and ``bench`` all refuse the same
+  recipes, before any model, data or GPU work.
+- *machine* rules need the machine the run goes on: is CUDA there, is a package installed.
+  ``train`` runs them before building anything; ``validate`` prints them as warnings, since a
+  recipe is often checked on a laptop and run on a GPU server.
+
+A rule returns one line per problem, each starting with the key to change.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ligertune.config.deepspeed import deepspeed_config_problems
+from ligertune.config.schema import BUILTIN_PLUGINS, Recipe
+from ligertune.models.architectures import SHIPPED_CONFIGS
+from ligertune.patching.registry import conflicts
+from ligertune.paths import looks_local
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    phase: str  # "recipe" or "machine"
+    check: Callable[[Recipe], list[str]]
+
+    @property
+    def summary(self) -> str:
+        return (self.check.__doc__ or "").strip().splitlines()[0]
+
+
+RULES: list[Rule] = []
+
+
+def rule(name: str, phase: str = "recipe") -> Callable:
+    def register(check: Callable[[Recipe], list[str]]) -> Callable[[Recipe], list[str]]:
+        RULES.append(Rule(name, phase, check))
+        return check
+
+    return register
+
+
+def recipe_problems(recipe: Recipe) -> list[str]:
+    """Problems found by every recipe-phase rule, in rule order."""
+    return [p for r in RULES if r.phase == "recipe" for p in r.check(recipe)]
+
+
+def machine_problems(recipe: Recipe) -> list[str]:
+    """Problems of running this recipe on this machine (CUDA, installed packages)."""
+    return [p for r in RULES if r.phase == "machine" for p in r.check(recipe)]
+
+
+# --------------------------------------------------------------------------------------------
+# Recipe rules
+# --------------------------------------------------------------------------------------------
+
+
+@rule("model.one_source")
+def _one_model_source(recipe: Recipe) -> list[str]:
+    """Exactly one of model.name_or_path (weights) and model.config (random init)."""
+    if (recipe.model.name_or_path is None) == (recipe.model.config is None):
+        return ["model: set exactly one of model.name_or_path (weights) or model.config (random init)"]
+    return []
+
+
+@rule("model.config_known")
+def _shipped_config_known(recipe: Recipe) -> list[str]:
+    """model.config names a shipped architecture, or is a mapping with model_type."""
+    config = recipe.model.config
+    if isinstance(config, str) and config not in SHIPPED_CONFIGS:
+        close = difflib.get_close_matches(config, list(SHIPPED_CONFIGS), n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return [
+            f"model.config: unknown shipped config {config!r}{hint} (shipped: {', '.join(SHIPPED_CONFIGS)})"
+        ]
+    if isinstance(config, dict) and "model_type" not in config:
+        return ["model.config: a config mapping needs model_type (e.g. llama, qwen2, gemma2)"]
+    return []
+
+
+@rule("files.exist")
+def _local_files_exist(recipe: Recipe) -> list[str]:
+    """Local paths the recipe names exist (hub ids are left to the loaders)."""
+    problems = []
+    candidates = [
+        ("model.name_or_path", recipe.model.name_or_path),
+        ("tokenizer.name_or_path", recipe.tokenizer.name_or_path),
+        ("data.path", recipe.data.path),
+        ("parallel.deepspeed.config", recipe.parallel.deepspeed.config),
+    ]
+    if recipe.checkpoint.resume not in ("auto", "none"):
+        candidates.append(("checkpoint.resume", recipe.checkpoint.resume))
+    for key, value in candidates:
+        if value and (looks_local(value) or key in ("parallel.deepspeed.config", "checkpoint.resume")):
+            path = recipe.resolve(value)
+            if not path.exists():
+                where = [Path.cwd()] + ([recipe._base_dir] if recipe._base_dir else [])
+                looked = " and ".join(str((d / path).resolve()) for d in dict.fromkeys(where))
+                shown = str(path) if path.is_absolute() else f"{value} (looked for {looked})"
+                problems.append(f"{key}: file not found: {shown}")
+    return problems
+
+
+@rule("kernels.one_per_computation")
+def _one_kernel_per_computation(recipe: Recipe) -> list[str]:
+    """At most one kernel replaces each computation (cross_entropy or fused_linear_cross_entropy)."""
+    return [
+        f"{' and '.join(f'kernels.{k}' for k in names)} are both on; they replace the same {target}: choose one"
+        for target, names in conflicts(recipe.kernels.enabled())
+    ]
+
+
+@rule("training.cpu_processes_fp32")
+def _cpu_processes_fp32(recipe: Recipe) -> list[str]:
+    """Multi-process runs on CPU (gloo) train in fp32."""
+    training = recipe.training
+    if training.device == "cpu" and training.precision != "fp32" and recipe.parallel.strategy != "none":
+        return ["training.precision: multi-process CPU runs (gloo) need fp32"]
+    return []
+
+
+@rule("training.deepspeed_precision")
+def _deepspeed_precision(recipe: Recipe) -> list[str]:
+    """DeepSpeed trains bf16-mixed or fp32 (its bf16 mode keeps fp32 master weights itself)."""
+    if recipe.parallel.strategy == "deepspeed" and recipe.training.precision == "bf16":
+        return [
+            "training.precision: bf16 with parallel.strategy deepspeed: DeepSpeed's bf16 mode keeps fp32 "
+            "master weights in its ZeRO optimizer; set training.precision=bf16-mixed"
+        ]
+    return []
+
+
+@rule("parallel.deepspeed_options")
+def _deepspeed_options(recipe: Recipe) -> list[str]:
+    """DeepSpeed options need strategy deepspeed; parameter offload needs ZeRO-3; the JSON file agrees with the recipe."""
+    options = recipe.parallel.deepspeed
+    problems = []
+    if recipe.parallel.strategy != "deepspeed" and options.config:
+        problems.append("parallel.deepspeed.config is set but parallel.strategy is not deepspeed")
+    if options.offload_params and options.zero_stage != 3:
+        problems.append("parallel.deepspeed.offload_params needs parallel.deepspeed.zero_stage: 3")
+    if recipe.parallel.strategy == "deepspeed" and options.config and recipe.resolve(options.config).exists():
+        problems += deepspeed_config_problems(recipe)
+    return problems
+
+
+@rule("plugins.named")
+def _plugins_named(recipe: Recipe) -> list[str]:
+    """Each plugin is 'module:function' or a built-in name."""
+    return [
+        f"plugins: {name!r} is not 'module:function' or a built-in plugin ({', '.join(BUILTIN_PLUGINS)})"
+        for name in recipe.plugins
+        if name not in BUILTIN_PLUGINS and not _is_function_path(name)
+    ]
+
+
+def _is_function_path(name: str) -> bool:
+    module, sep, function = name.partition(":")
+    return bool(sep) and all(part.isidentifier() for part in module.split(".")) and function.isidentifier()
+
+
+@rule("packages.installed")
+def _packages_installed(recipe: Recipe) -> list[str]:
+    """Packages the recipe's choices need are installed (deepspeed, flash-attn)."""
+    problems = []
+    if recipe.parallel.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        problems.append(
+            "parallel.strategy: deepspeed is chosen but not installed; "
+            "install it with: pip install 'ligertune[deepspeed]'"
+        )
+    if (
+        recipe.model.attn_implementation == "flash_attention_2"
+        and importlib.util.find_spec("flash_attn") is None
+    ):
+        problems.append(
+            "model.attn_implementation: flash_attention_2 needs the flash-attn package, which is not "
+            "installed; install it (pip install flash-attn --no-build-isolation) or use sdpa"
+        )
+    return problems
+
+
+# --------------------------------------------------------------------------------------------
+# Machine rules
+# --------------------------------------------------------------------------------------------
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def runs_on_cuda(recipe: Recipe) -> bool:
+    """Whether the run's device is a GPU on this machine (``auto`` picks CUDA when present)."""
+    device = recipe.training.device
+    return device == "cuda" or (device == "auto" and cuda_available())
+
+
+@rule("training.device_available", phase="machine")
+def _device_available(recipe: Recipe) -> list[str]:
+    """training.device cuda needs a CUDA GPU that torch sees."""
+    if recipe.training.device == "cuda" and not cuda_available():
+        return [
+            "training.device: cuda was asked for but torch sees no CUDA GPU; use training.device=cpu "
+            "(slow, for testing) or check the driver and the torch build (`ligertune env`)"
+        ]
+    return []
+
+
+@rule("training.fp32_on_cpu", phase="machine")
+def _fp32_on_cpu(recipe: Recipe) -> list[str]:
+    """A run on the CPU trains in fp32."""
+    precision = recipe.training.precision
+    if precision != "fp32" and recipe.training.device != "cuda" and not runs_on_cuda(recipe):
+        return [
+            f"training.precision: {precision} on CPU is not supported (slow, and Triton's CPU interpreter gets "
+            "bf16 arithmetic wrong); set training.precision=fp32"
+        ]
+    return []
+
+
+@rule("parallel.fsdp_cpu_offload_needs_gpu", phase="machine")
+def _fsdp_offload_needs_gpu(recipe: Recipe) -> list[str]:
+    """FSDP CPU offload needs a GPU on this machine."""
+    fsdp = recipe.parallel.strategy == "fsdp" and recipe.parallel.fsdp.cpu_offload
+    if fsdp and recipe.training.device != "cuda" and not runs_on_cuda(recipe):
+        return [
+            "parallel.fsdp.cpu_offload: offloading moves the shards off the GPU and needs training.device cuda; "
+            "set parallel.fsdp.cpu_offload=false on the CPU"
+        ]
+    return []
+
+
+@rule("model.flash_attention_on_cuda", phase="machine")
+def _flash_attention_on_cuda(recipe: Recipe) -> list[str]:
+    """flash_attention_2 runs on CUDA only."""
+    if recipe.model.attn_implementation == "flash_attention_2" and not runs_on_cuda(recipe):
+        return ["model.attn_implementation: flash_attention_2 runs on CUDA only; use sdpa on CPU"]
+    return []

@@ -1,0 +1,126 @@
+"""DeepSpeed ZeRO stage 1/2/3 with our torch AdamW, configured from the recipe."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+
+import torch
+
+from ligertune.config import Recipe
+from ligertune.config.deepspeed import deepspeed_config
+from ligertune.distributed.runtime import ProcessGroupRuntime
+from ligertune.errors import RecipeError
+
+
+class DeepSpeedRuntime(ProcessGroupRuntime):
+    """DeepSpeed ZeRO (``parallel.deepspeed``), configured from the recipe by
+    `deepspeed_config` and handed our torch AdamW (DeepSpeed's own fused optimizers are built
+    at run time and need a matching CUDA toolchain; torch's needs nothing). Stage 1 shards the
+    optimizer state, 2 also the gradients, 3 also the parameters (gathered per module around
+    its forward and backward by hooks, which the fused linear cross entropy's lm_head call
+    triggers too). ``bf16-mixed`` is DeepSpeed's bf16 mode: bf16 weights and compute, fp32
+    master weights and optimizer state inside the ZeRO optimizer; ``bf16`` (bf16 master
+    weights) has no DeepSpeed equivalent and is refused. DeepSpeed casts the module to bf16
+    before it copies the fp32 master weights out of it, so a random fp32 init is rounded to
+    bf16 first. Every master weight then sits on the bf16 grid, and an update smaller than half
+    a bf16 step leaves the bf16 compute weights unchanged until the updates add up. FSDP2 and
+    DDP keep the unrounded init, whose rounding to bf16 for compute moves with any update. From
+    a random init at warm-up learning rates ZeRO's loss therefore falls a few steps later;
+    from saved bf16 weights (on the grid for every strategy) the strategies agree. The run log
+    says so (`notice`).
+
+    Accumulation: the loop tells the engine which micro-batch closes the window
+    (``set_gradient_accumulation_boundary``), so gradients are reduced once per window.
+    Optimizer step: after backward the gradients belong to the ZeRO optimizer, which computes
+    the global norm, clips and updates in one call (``engine.step``) and itself skips the
+    update when the norm is not finite. So `clip_grad_norm` runs that whole step and returns
+    DeepSpeed's norm, and `optimizer_step` has nothing left to do. The loop's non-finite
+    handling then holds as for the other strategies (a non-finite loss has non-finite
+    gradients, so DeepSpeed skipped the update too).
+
+    Checkpoints ("deepspeed"): DeepSpeed's own ``save_checkpoint``/``load_checkpoint`` under
+    ``deepspeed/`` in the checkpoint directory; a resume needs the same number of ranks. The
+    export is DeepSpeed's consolidated 16-bit state dict under ZeRO-3 (the module's own state
+    dict below it), gathered on rank 0.
+    """
+
+    strategy = "deepspeed"
+    checkpoint_format = "deepspeed"
+    _TAG = "deepspeed"
+
+    def __init__(self, recipe: Recipe):
+        super().__init__(recipe)
+        self.options = recipe.parallel.deepspeed
+        self.config = deepspeed_config(recipe)
+        self.engine = None
+        if recipe.model.config is not None and recipe.training.precision == "bf16-mixed":
+            self.notice = (
+                "DeepSpeed's bf16 mode starts its fp32 master weights from the bf16-rounded random init, so "
+                "updates below bf16's resolution (small warm-up learning rates) change nothing for the first "
+                "steps: the loss falls later than under ddp or fsdp. Runs from saved bf16 weights are not "
+                "affected (docs/distributed.md#deepspeed-and-a-random-init)"
+            )
+
+    @property
+    def param_device(self) -> torch.device:
+        return torch.device("cpu") if self.options.offload_optimizer else self.device
+
+    def wrap(self, model, make_optimizer):
+        import deepspeed
+
+        # DeepSpeed logs its whole config and every step at INFO on every rank.
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        optimizer = make_optimizer(model, self.param_device)
+        self.engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=copy.deepcopy(self.config), dist_init_required=False
+        )
+        # The torch optimizer stays the one the schedule drives: ZeRO steps it with its
+        # param_groups (lr included), over the flat fp32 partitions it put there.
+        return self.engine, optimizer
+
+    def unwrap(self, model):
+        return model.module
+
+    def accumulation_context(self, model, sync):
+        model.set_gradient_accumulation_boundary(sync)
+        return contextlib.nullcontext()
+
+    def backward(self, loss):
+        # The loss is already normalised over the window: no division by the accumulation steps.
+        self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+
+    def clip_grad_norm(self, model, max_norm):
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float64).to(self.device)
+
+    def optimizer_step(self, optimizer):
+        pass  # done by engine.step() in clip_grad_norm
+
+    def full_model_state_dict(self, model):
+        if self.options.zero_stage == 3:
+            return self.engine._zero3_consolidated_16bit_state_dict() or {}
+        return super().full_model_state_dict(model)
+
+    def save_state(self, directory, model, optimizer):
+        self.engine.save_checkpoint(str(directory), tag=self._TAG, save_latest=False)
+
+    def load_state(self, checkpoint, model, optimizer):
+        self._check_format(checkpoint)
+        if checkpoint.world_size != self.world_size:
+            raise RecipeError(
+                [
+                    f"checkpoint.resume: {checkpoint.path} was saved by {checkpoint.world_size} DeepSpeed ranks and "
+                    f"this run has {self.world_size}; ZeRO checkpoints resume on the same number of ranks. Launch "
+                    f"{checkpoint.world_size} processes, or start over with checkpoint.resume=none"
+                ]
+            )
+        loaded, _ = self.engine.load_checkpoint(
+            str(checkpoint.path), tag=self._TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        )
+        if loaded is None:
+            raise RecipeError(
+                [f"checkpoint.resume: DeepSpeed found no checkpoint under {checkpoint.path / self._TAG}"]
+            )

@@ -1,0 +1,244 @@
+"""The one seam between the training loop and the multi-process strategies.
+
+The loop in `ligertune.training` never asks which strategy is running: it talks to a `Runtime`,
+which knows the process's place in the job (rank, world size, device) and does the few things
+that differ between strategies — wrapping the model and building the optimizer, backward,
+gradient clipping and the optimizer step, collective sums, checkpoint state and the full
+state dict of the final export. `ligertune.distributed.create_runtime` picks the class from ``parallel.strategy``:
+
+    none       `Runtime`          one process, one device
+    ddp        `DDPRuntime`       torch DistributedDataParallel: every rank holds the whole model
+    fsdp       `FSDPRuntime`      FSDP2 ``fully_shard`` per decoder layer and on the root
+    deepspeed  `DeepSpeedRuntime` DeepSpeed ZeRO stage 1/2/3 with our torch AdamW
+
+The engines are PyTorch's and DeepSpeed's own; nothing here communicates by itself beyond
+``torch.distributed`` collectives. Processes are started by torchrun (``ligertune train
+--nproc-per-node G`` runs it, see `ligertune.distributed.launch`), which sets RANK, LOCAL_RANK and
+WORLD_SIZE; a multi-process strategy started without it runs as a job of one process (useful
+for FSDP's CPU offload on one GPU). NCCL joins the GPUs, gloo the CPU processes of tests.
+
+Gradient accumulation contract (every strategy keeps it): the loop divides each micro-batch's
+*summed* token loss by the label-token count of the whole optimizer step, summed over the
+accumulation window **and over all ranks** (`all_reduce_sum`). The loss a rank hands to
+`backward` is therefore its share of the global token mean, and the gradient the optimizer
+needs is the plain *sum* of the ranks' gradients. DDP, FSDP and DeepSpeed all *average*
+gradients over ranks (divide by the world size), so they multiply the loss by the world size
+in `backward` to undo that division. Then 2 ranks × 2 sequences give the loss and gradients of
+1 rank × 4 sequences, whatever the label counts of each rank's rows.
+
+Collective calls: every method that talks to other ranks (marked *collective* below) must be
+called by every rank, in the same order, or the job hangs. The loop guarantees it by making
+every decision that leads to one (stop, save, skip) from values all ranks share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ligertune.config import Recipe
+from ligertune.distributed.env import has_rendezvous, launched_as
+from ligertune.errors import RecipeError
+from ligertune.run.checkpoint import FULL_FORMAT, Checkpoint, write_full_state
+
+# (module, where its parameters live) -> the optimizer over them; see `Runtime.wrap`.
+OptimizerFactory = Callable[[nn.Module, torch.device], torch.optim.Optimizer]
+
+
+class Runtime:
+    """One process of a training job: where it runs and how it syncs with the others.
+
+    This base class is the single-process implementation (strategy ``none``); multi-process
+    strategies subclass it and override what differs.
+    """
+
+    strategy = "none"
+    checkpoint_format = FULL_FORMAT
+    # A line for the run log about how this strategy trains this recipe, or None.
+    notice: str | None = None
+
+    def __init__(self, device: torch.device, rank: int = 0, local_rank: int = 0, world_size: int = 1):
+        self.device = device
+        self.rank = rank
+        self.local_rank = local_rank
+        self.world_size = world_size
+
+    @property
+    def is_main(self) -> bool:
+        """Whether this process prints, logs metrics and writes files shared by the job."""
+        return self.rank == 0
+
+    @property
+    def init_device(self) -> torch.device:
+        """Where to materialise the model's weights before `wrap`."""
+        return self.device
+
+    @property
+    def param_device(self) -> torch.device:
+        """Where the parameters the optimizer updates live (the CPU when they are offloaded)."""
+        return self.device
+
+    # -- collectives ---------------------------------------------------------------------
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of `tensor` over all ranks (in one process: the tensor itself). *Collective.*"""
+        return tensor
+
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        """Element-wise maximum of small integers over all ranks (a host sync). *Collective.*
+        A signal reaches the ranks at slightly different times: deciding to stop from the
+        maximum keeps them in step."""
+        return list(values)
+
+    def barrier(self) -> None:
+        """Wait until every rank reaches this point. *Collective.*"""
+
+    # -- model and optimisation ----------------------------------------------------------
+
+    def wrap(
+        self, model: nn.Module, make_optimizer: OptimizerFactory
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Move the model to its device, wrap it for the strategy and build the optimizer over
+        the parameters the strategy trains. Returns (what to call, the optimizer whose
+        ``param_groups`` carry the lr the schedule sets). The model must already be patched
+        and checkpoint-wrapped (`ligertune.models.prepare_for_training`)."""
+        model = model.to(self.device)
+        return model, make_optimizer(model, self.param_device)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The Hugging Face model inside whatever `wrap` returned."""
+        return model
+
+    def accumulation_context(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-batch's forward and backward. `sync` is False for every
+        micro-batch but the last of an optimizer step, so strategies that all-reduce
+        gradients in backward can skip the reduction until the window is complete."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of this rank's share of the step loss (see the module docstring)."""
+        loss.backward()
+
+    def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
+        """Global gradient 2-norm before clipping (a 0-d tensor on `device`, no host sync);
+        scales the gradients down to `max_norm` when it is set and exceeded."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        if max_norm is None:
+            return torch.nn.utils.get_total_norm([p.grad for p in params])
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Apply the update; the loop calls it only when the loss and the norm are finite."""
+        optimizer.step()
+
+    # -- checkpoints and export ----------------------------------------------------------
+
+    def full_model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole (unsharded) model state dict, named as the Hugging Face model names it, on
+        the main rank; other ranks may get an empty dict. *Collective.*"""
+        return self.unwrap(model).state_dict() if self.is_main else {}
+
+    def save_state(self, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Write the model and optimizer state into a checkpoint directory, in
+        `checkpoint_format` (`ligertune.checkpoint` owns the rest). *Collective.*"""
+        state = self.full_model_state_dict(model)
+        if self.is_main:
+            write_full_state(directory, state, optimizer.state_dict())
+
+    def load_state(self, checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Restore what `save_state` wrote. *Collective.*"""
+        self._check_format(checkpoint)
+        self.unwrap(model).load_state_dict(checkpoint.model)
+        optimizer.load_state_dict(checkpoint.optimizer)
+
+    def _check_format(self, checkpoint: Checkpoint) -> None:
+        if checkpoint.format != self.checkpoint_format:
+            saved_by = {FULL_FORMAT: "none or ddp", "dcp": "fsdp", "deepspeed": "deepspeed"}.get(
+                checkpoint.format, "?"
+            )
+            raise RecipeError(
+                [
+                    f"checkpoint.resume: {checkpoint.path} holds a {checkpoint.format!r} checkpoint (parallel.strategy "
+                    f"{saved_by}); this run's strategy {self.strategy} reads {self.checkpoint_format!r} ones. Resume "
+                    f"with parallel.strategy={saved_by.split()[0]}, or start over with checkpoint.resume=none"
+                ]
+            )
+
+    def shutdown(self) -> None:
+        """Release the process group (nothing to do in one process)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(strategy={self.strategy}, rank={self.rank}/{self.world_size}, device={self.device})"
+
+
+# --------------------------------------------------------------------------------------------
+# Multi-process strategies
+# --------------------------------------------------------------------------------------------
+
+
+class ProcessGroupRuntime(Runtime):
+    """A rank of a torch.distributed job: joins the process group, provides the collectives,
+    and undoes the gradient averaging of the engines (see the module docstring)."""
+
+    def __init__(self, recipe: Recipe):
+        local_rank = launched_as().local_rank
+        device = resolve_device(recipe.training.device, local_rank)
+        if device.type == "cuda":
+            visible = torch.cuda.device_count()
+            if local_rank >= visible:
+                raise RecipeError(
+                    [
+                        f"parallel.strategy: {self.strategy}: this process has LOCAL_RANK {local_rank} but only "
+                        f"{visible} GPU(s) are visible on this node; use --nproc-per-node {visible} or fewer"
+                    ]
+                )
+            torch.cuda.set_device(device)
+        self._owns_group = not dist.is_initialized()
+        if self._owns_group:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            if has_rendezvous():  # started by torchrun: its env:// rendezvous
+                dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+            else:  # a job of one process, without a launcher
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        super().__init__(device, dist.get_rank(), local_rank, dist.get_world_size())
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        votes = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        return votes.tolist()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (loss * self.world_size).backward()
+
+    def shutdown(self) -> None:
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
+    """`training.device` → a torch device; `auto` picks CUDA when present."""
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise RecipeError(
+                [
+                    "training.device: cuda was asked for but torch sees no CUDA GPU; use training.device=cpu "
+                    "(slow, for testing) or check the driver and the torch build (`ligertune env`)"
+                ]
+            )
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")

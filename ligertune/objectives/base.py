@@ -1,0 +1,50 @@
+"""The objective seam: what the training loop asks of a loss.
+
+An objective turns a model and a micro-batch into the sum of a per-item loss over that
+micro-batch, plus metrics, and says how many items a micro-batch holds. The gradient of one
+optimizer step is that of
+
+    Σ_micro-batches Σ_items loss  /  N,     N = Σ count(micro-batch) over the window and every rank
+
+so the result does not depend on how the window is cut into micro-batches or ranks. An item is
+what the objective averages over: a label token for next-token SFT, a preference pair for DPO.
+`count` runs on the host, on the CPU batch, before any forward, so the loop knows N before the
+first backward without a device synchronisation, and hands it to the call: the objective
+returns its sum already divided by N. That order matters for fused losses, which compute their
+gradient inside the forward: dividing afterwards would scale (and round, in bf16) every stored
+gradient a second time. Evaluation passes N = 1 to get plain sums.
+
+Metrics are sums over the micro-batch's items divided by the same N (0-d tensors on the
+device): summed over the window they are means, e.g. a reward accuracy from 0/1 per pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+Batch = dict[str, torch.Tensor]
+
+
+@dataclass
+class ObjectiveOutput:
+    loss: torch.Tensor  # 0-d: the loss summed over this micro-batch's items, divided by N
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # 0-d sums over the items, / N
+
+
+class Objective(Protocol):
+    """Given a batch, its item count; given the model, a batch and N, the loss sum over N."""
+
+    name: str
+
+    def count(self, batch: Batch) -> int:
+        """Items this micro-batch's loss sums over, counted on the host (no device work)."""
+        ...
+
+    def __call__(self, model: nn.Module, batch: Batch, num_items: torch.Tensor) -> ObjectiveOutput:
+        """Forward `batch` (on the model's device) and return its summed loss over `num_items`
+        (a 0-d int64 tensor on the device: N ≥ 1)."""
+        ...

@@ -1,0 +1,206 @@
+"""Patch functions of the loss kernels: ``fused_linear_cross_entropy`` and ``cross_entropy``.
+
+``fused_linear_cross_entropy``: the causal LM's forward (`_fused_causal_lm_forward`) runs the
+base model, then the lm_head *module* in its loss mode, and returns the loss with
+``logits=None``: in training with labels the [tokens, vocab] logits never exist. Otherwise (no
+labels, eval mode, an lm_head wrapped after patching) it is HF's forward. Needs the family's
+causal-LM class (and its final-logit softcap, Gemma 2/3).
+
+``cross_entropy``: the causal LM's ``loss_function`` (a per-instance attribute in transformers)
+becomes `_kernel_causal_lm_loss`, over the logits HF materialises. For a family the table does
+not know it applies to any transformers model whose loss is HF's ``ForCausalLMLoss``.
+
+Both keep HF's targets and normalisation: labels shifted by one (or ``shift_labels`` as given),
+``ignore_index`` (−100) skipped, ``sum / num_items_in_batch`` when the caller passes that count
+(gradient accumulation), else the mean over non-ignored tokens.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.loss.loss_utils import ForCausalLMLoss
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ligertune.kernels import cross_entropy as ce_kernel
+from ligertune.kernels import fused_linear_cross_entropy as flce_kernel
+from ligertune.patching.common import MARK, Patcher, is_marked, partial_forward, set_forward
+
+
+def shift_targets(labels: torch.Tensor, ignore_index: int, shift_labels: torch.Tensor | None) -> torch.Tensor:
+    """Flat next-token targets, as HF's ForCausalLMLoss builds them: position t predicts labels[t+1];
+    the last position gets ignore_index. ``shift_labels`` (already shifted) wins when given."""
+    if shift_labels is None:
+        shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels.reshape(-1)
+
+
+def _kernel_causal_lm_loss(
+    logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100, shift_labels=None, **_
+):
+    """HF's ``ForCausalLMLoss`` on the cross-entropy kernel: same signature, same shifting, same
+    normalisation (sum / num_items_in_batch when given, else the mean over non-ignored targets).
+    The one difference: an all-ignored batch gives 0 (HF: NaN). The logits are returned to the
+    caller by the model, so the kernel must not overwrite them with the gradient."""
+    target = shift_targets(labels, ignore_index, shift_labels).to(logits.device)
+    return ce_kernel.cross_entropy(
+        logits.reshape(-1, vocab_size),
+        target,
+        ignore_index=ignore_index,
+        num_items_in_batch=num_items_in_batch,
+    )
+
+
+def _fused_lm_head_forward(self, hidden_states, target=None, **loss_options):
+    """The lm_head's forward: ``F.linear`` as usual, or, given ``target``, the fused linear cross
+    entropy over this module's weight. Running the loss *inside the lm_head's call* means the
+    module's forward hooks run around it: FSDP2 and ZeRO-3 gather the full weight first and
+    release it after, exactly as for the logits."""
+    if target is None:
+        return nn.functional.linear(hidden_states, self.weight, self.bias)
+    return flce_kernel.fused_linear_cross_entropy(
+        hidden_states.reshape(-1, hidden_states.shape[-1]), self.weight, target, self.bias, **loss_options
+    )
+
+
+def _lm_head_is_fused(lm_head: nn.Module) -> bool:
+    forward = lm_head.__dict__.get("forward")
+    return getattr(forward, "__func__", None) is _fused_lm_head_forward
+
+
+def _fused_causal_lm_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    logits_to_keep=0,
+    *,
+    _softcap_attr: str | None = None,
+    **kwargs,
+):
+    """The causal LM's forward with the fused linear cross entropy.
+
+    Training with labels: run the base model, then the lm_head *module* in its loss mode
+    (`_fused_lm_head_forward`), and return ``CausalLMOutputWithPast(loss, logits=None, ...)``;
+    the [tokens, vocab] logits never exist. The targets and the normalisation are HF's
+    ``ForCausalLMLoss``'s: labels shifted by one (or ``shift_labels`` as given), ``ignore_index``
+    (−100 by default) skipped, ``sum / num_items_in_batch`` when the caller passes that count
+    (gradient accumulation), else the mean over non-ignored tokens. Gemma 2/3's final-logit
+    softcap is applied inside the kernel. ``kwargs`` go to the base model, as in HF.
+
+    Anything else (no labels, eval mode, or an lm_head that is no longer our patched Linear,
+    e.g. wrapped by PEFT after patching) runs HF's own forward unchanged.
+    """
+    hf_forward = type(self).forward
+    if labels is None or not self.training or not _lm_head_is_fused(self.lm_head):
+        return hf_forward(
+            self,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            labels=labels,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **kwargs,
+        )
+    return_dict = kwargs.pop("return_dict", None)
+    outputs = self.model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=past_key_values,
+        inputs_embeds=inputs_embeds,
+        use_cache=use_cache,
+        **kwargs,
+    )
+    hidden_states = outputs.last_hidden_state
+    slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    ignore_index = kwargs.get("ignore_index", -100)
+    target = shift_targets(labels, ignore_index, kwargs.get("shift_labels")).to(hidden_states.device)
+    loss = self.lm_head(
+        hidden_states[:, slice_indices, :],
+        target=target,
+        ignore_index=ignore_index,
+        num_items_in_batch=kwargs.get("num_items_in_batch"),
+        softcap=getattr(self.config, _softcap_attr) if _softcap_attr else None,
+    )
+    output = CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        past_key_values=outputs.past_key_values,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
+    if return_dict is None:
+        return_dict = self.config.return_dict
+    return output if return_dict else output.to_tuple()
+
+
+def _set_loss_function(module: nn.Module, loss_function) -> None:
+    # PreTrainedModel.loss_function is a property whose setter stores a per-instance override.
+    module.loss_function = loss_function
+
+
+def _causal_lms(patcher: Patcher, kernel: str) -> tuple[list[tuple[str, nn.Module]], list[tuple[str, str]]]:
+    """(name, module) of the causal LMs the loss ``kernel`` can take over, and (name, reason)
+    for those it cannot."""
+    if patcher.family is not None:
+        candidates = patcher.family_instances(patcher.family.causal_lm)
+    else:
+        candidates = [(n, m) for n, m in patcher.model.named_modules() if _uses_hf_causal_lm_loss(m)]
+    targets, failures = [], []
+    for name, lm in candidates:
+        mark = lm.__dict__.get(MARK)
+        if mark is not None and mark != kernel:
+            failures.append((name, f"already patched with {mark}"))
+        else:
+            targets.append((name, lm))
+    return targets, failures
+
+
+def patch_fused_linear_cross_entropy(patcher: Patcher) -> None:
+    kernel = "fused_linear_cross_entropy"
+    if patcher.family is None:
+        patcher.skip(kernel, "needs a family entry in ligertune/models/families.py (cross_entropy can apply)")
+        return
+    lms, failures = _causal_lms(patcher, kernel)
+    targets = []
+    forward = partial_forward(_fused_causal_lm_forward, _softcap_attr=patcher.family.logit_softcap_attr)
+    for name, lm in lms:
+        head = getattr(lm, "lm_head", None)
+        if type(head) is nn.Linear or _lm_head_is_fused(head):
+            targets.append((lm, forward))
+        else:
+            failures.append((name, f"lm_head is {type(head).__name__}, not a plain nn.Linear"))
+    none_reason = f"no {patcher.family.causal_lm} in the model (a base model has no lm_head)"
+    for lm in patcher.apply(kernel, targets, failures, none_reason):
+        set_forward(lm.lm_head, _fused_lm_head_forward)
+        setattr(lm.lm_head, MARK, kernel)
+
+
+def patch_cross_entropy(patcher: Patcher) -> None:
+    kernel = "cross_entropy"
+    lms, failures = _causal_lms(patcher, kernel)
+    none_reason = "no causal-LM module computing its loss with transformers' ForCausalLMLoss"
+    targets = [(lm, _kernel_causal_lm_loss) for _, lm in lms]
+    patcher.apply(kernel, targets, failures, none_reason, install=_set_loss_function)
+
+
+def _uses_hf_causal_lm_loss(module: nn.Module) -> bool:
+    """A transformers model with an lm_head whose forward computes its loss with
+    ``self.loss_function`` and that function is HF's ForCausalLMLoss (generic families)."""
+    if not isinstance(module, PreTrainedModel) or not hasattr(module, "lm_head"):
+        return False
+    code = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    if code is None or "loss_function" not in code.co_names:
+        return False
+    return is_marked(module) or module.loss_function is ForCausalLMLoss

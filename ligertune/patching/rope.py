@@ -1,0 +1,61 @@
+"""Patch function of the ``rope`` kernel: HF's attention code object, our ``apply_rotary_pos_emb``.
+
+HF attention forwards call their modeling file's module-level ``apply_rotary_pos_emb``, looked
+up in the function's globals at call time; transformers 5.17 has no per-instance hook for it
+(``use_kernelized_func`` only acts with the hub ``kernels`` package and ``use_kernels=True``).
+So the patched attention runs *the same code object* as HF's forward, in a function whose
+globals are a copy of the modeling module's namespace with ``apply_rotary_pos_emb`` bound to our
+kernel. No attention code is copied, the modeling module is untouched, and every other name the
+forward uses resolves as before (the namespace is copied when a class is first patched; later
+rebinding of module globals is not seen). The kernel takes HF's signature and rotates only
+``cos.shape[-1]`` channels, which covers Phi3's partial rotary; Gemma3's local/global layers
+pass their own cos/sin, so nothing is needed. This needs the family's attention class, so a
+family missing from the table gets no RoPE kernel.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+from ligertune.kernels import rope as rope_kernel
+from ligertune.patching.common import Patcher
+
+ROPE_NAME = "apply_rotary_pos_emb"
+
+_ROPE_FORWARDS: dict[Callable, Callable] = {}
+
+
+def rope_forward_for(hf_forward: Callable) -> Callable | str:
+    """The attention forward that calls our RoPE kernel, or the reason there cannot be one."""
+    if not isinstance(hf_forward, types.FunctionType) or hasattr(hf_forward, "__wrapped__"):
+        return f"{hf_forward.__qualname__} is wrapped or not a plain function; its globals cannot be rebound"
+    if ROPE_NAME not in hf_forward.__code__.co_names:
+        return f"{hf_forward.__qualname__} does not call {ROPE_NAME} by name"
+    forward = _ROPE_FORWARDS.get(hf_forward)
+    if forward is None:
+        scope = dict(hf_forward.__globals__)
+        scope[ROPE_NAME] = rope_kernel.apply_rotary_pos_emb
+        forward = types.FunctionType(
+            hf_forward.__code__, scope, hf_forward.__name__, hf_forward.__defaults__, hf_forward.__closure__
+        )
+        forward.__kwdefaults__ = hf_forward.__kwdefaults__
+        forward.__qualname__ = hf_forward.__qualname__
+        forward.__doc__ = hf_forward.__doc__
+        _ROPE_FORWARDS[hf_forward] = forward
+    return forward
+
+
+def patch_rope(patcher: Patcher) -> None:
+    family = patcher.family
+    if family is None:
+        patcher.skip("rope", "needs a family entry in ligertune/models/families.py")
+        return
+    targets, failures = [], []
+    for name, module in patcher.family_instances(family.attention):
+        forward = rope_forward_for(type(module).forward)
+        if isinstance(forward, str):
+            failures.append((name, forward))
+        else:
+            targets.append((module, forward))
+    patcher.apply("rope", targets, failures, f"no {family.attention} modules in the model")

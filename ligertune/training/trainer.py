@@ -1,0 +1,463 @@
+"""The training loop, split like a torchtune recipe: `Trainer.setup`, `Trainer.train`, `Trainer.cleanup`.
+
+    setup:   machine rules → runtime → tokenizer and data → model → transforms (kernels, plugins,
+             checkpointing, compile) → wrap + optimizer → schedule → resume → metrics
+    train:   [ step → log → evaluate → checkpoint → stop? ]* → final checkpoint, evaluation,
+             Hugging Face export, summary
+    cleanup: metrics files closed, process group released
+
+One optimizer step is `ligertune.training.step.forward_backward` over the window's micro-batches
+with the objective's normalisation, then clipping, the finiteness check (the step's one host
+synchronisation) and the update.
+
+Precision (``training.precision``)
+    - ``fp32``: fp32 parameters, no autocast. The only choice on CPU (see below).
+    - ``bf16-mixed``: fp32 master parameters, gradients and AdamW state, forward and backward
+      under ``torch.autocast(bfloat16)``. Matmuls run on bf16 tensor cores; updates are
+      exact in fp32. Costs 4+4+8 bytes per parameter (weights, grads, Adam moments) plus
+      the bf16 activation copies.
+    - ``bf16``: bf16 parameters, gradients and AdamW state; half the memory of the above.
+      The risk: bf16 has 8 significant bits, so an update smaller than about 2⁻⁹ of a
+      weight rounds away entirely (with lr 2e-5 and weights of size 0.02, Adam's ~lr-sized
+      steps sit right at that edge). Fine-tuning usually tolerates it, long runs at low
+      learning rates may stall; use ``bf16-mixed`` when in doubt and memory allows.
+    CPU runs must use fp32: CPUs have no bf16 matrix units worth the accuracy loss, and
+    Triton's CPU interpreter computes bf16 arithmetic wrongly, so a bf16 CPU run would be
+    slow and would not test what the GPU runs. Asking for it is an error naming the fix.
+
+Non-finite loss or gradient norm (``training.on_nonfinite``)
+    ``stop``: the gradients are dropped, a checkpoint of the last good state is saved
+    (weights, optimizer and schedule from before the failing step, and the data position of
+    the failing step, so a resume with a lower lr replays it), and `TrainingError` names the
+    step. ``skip``: the gradients are dropped and the optimizer step is skipped; the step
+    still counts (the schedule and the data move on), so a run that keeps failing ends.
+
+Stopping early
+    SIGTERM/SIGINT (`ligertune.training.signals`) or the `on_step_end` hook returning True:
+    every rank stops after the same step, saves a checkpoint and returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ligertune.config import Recipe, machine_problems, recipe_to_yaml
+from ligertune.data import MicroBatchLoader, build_datasets, load_tokenizer
+from ligertune.distributed import Runtime, create_runtime
+from ligertune.errors import RecipeError, TrainingError
+from ligertune.models.build import build_model, check_vocab
+from ligertune.objectives import build_objective
+from ligertune.run.checkpoint import CheckpointManager
+from ligertune.run.metrics import (
+    MetricsLogger,
+    RunSummary,
+    Throughput,
+    flops_per_token,
+    peak_bf16_flops,
+    peak_memory_gib,
+)
+from ligertune.training.export import export_hf
+from ligertune.training.optim import autocast_for, build_optimizer, build_scheduler
+from ligertune.training.resume import data_order, resume, resume_path
+from ligertune.training.signals import StopSignal
+from ligertune.training.step import evaluate, forward_backward, micro_batch_stream
+from ligertune.training.transforms import apply_transforms
+
+
+@dataclass
+class StepRecord:
+    """What one optimizer step did; handed to the `on_step_end` hook."""
+
+    step: int
+    epoch: float  # epochs completed, fractional (2.5: half way through the third)
+    loss: float
+    grad_norm: float
+    lr: float
+    items: int  # what the objective averages over (label tokens for SFT), over all ranks
+    label_tokens: int
+    tokens: int
+    seconds: float
+    skipped: bool
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float | None
+    eval_loss: float | None
+    run_dir: Path
+    checkpoint: Path | None
+    export_dir: Path | None
+    signal: int | None
+    model: nn.Module
+
+
+class Trainer:
+    """One run of a recipe. `setup` builds everything and may raise RecipeError/DataError;
+    `train` runs the loop and may raise TrainingError; `cleanup` always runs after them."""
+
+    def __init__(self, recipe: Recipe, on_step_end: Callable[[StepRecord], bool | None] | None = None):
+        self.recipe, self.training, self.on_step_end = recipe, recipe.training, on_step_end
+        self.runtime: Runtime | None = None
+        self.metrics: MetricsLogger | None = None
+        self.log: Callable[[str], None] = lambda message: None  # other ranks stay quiet
+
+    # -- setup -------------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        recipe = self.recipe
+        problems = machine_problems(recipe)
+        if problems:
+            raise RecipeError(problems)
+        self.runtime = create_runtime(recipe)
+        self.device = self.runtime.device
+        torch.manual_seed(recipe.seed)
+        self._setup_data()
+        self._setup_model()
+        self._setup_resume()
+        self._setup_metrics()
+
+    def _setup_data(self) -> None:
+        """Tokenizer, datasets, and the train and validation loaders of this rank."""
+        recipe, runtime = self.recipe, self.runtime
+        self.tokenizer = load_tokenizer(recipe)
+        self.datasets = build_datasets(recipe, self.tokenizer)
+        loader_args = dict(
+            seed=recipe.seed,
+            pad_token_id=self.tokenizer.pad_token_id,
+            packing=recipe.data.packing,
+            rank=runtime.rank,
+            world_size=runtime.world_size,
+        )
+        micro_batch_size = self.training.micro_batch_size
+        self.loader = MicroBatchLoader(
+            self.datasets.train, micro_batch_size, shuffle=recipe.data.shuffle, **loader_args
+        )
+        self.eval_loader = None
+        if self.datasets.validation is not None:
+            # A validation split smaller than a micro-batch per rank is still evaluated, in
+            # smaller batches. The loader leaves out rows that do not fill a last batch on every
+            # rank (fewer than batch × world size rows).
+            eval_batch = min(micro_batch_size, len(self.datasets.validation) // runtime.world_size)
+            if eval_batch > 0:
+                self.eval_loader = MicroBatchLoader(
+                    self.datasets.validation, eval_batch, shuffle=False, **loader_args
+                )
+        self.total_steps = self.training.max_steps or math.ceil(
+            self.training.epochs * self.loader.batches_per_epoch / self.training.gradient_accumulation_steps
+        )
+
+    def _setup_model(self) -> None:
+        recipe, training, runtime = self.recipe, self.training, self.runtime
+        model = build_model(recipe, runtime.init_device)
+        check_vocab(model, self.tokenizer)
+        # Counted before wrapping: sharded strategies (ZeRO-3) leave empty parameters behind.
+        self.model_flops = flops_per_token(model, recipe.data.max_seq_len)
+        self.parameters, self.model_class = sum(p.numel() for p in model.parameters()), type(model).__name__
+        self.hf_model, self.transform_reports = apply_transforms(model, recipe)
+        self.model, self.optimizer = runtime.wrap(
+            self.hf_model, lambda module, where: build_optimizer(module, training, where)
+        )
+        self.scheduler = build_scheduler(self.optimizer, training, self.total_steps)
+        self.autocast = partial(autocast_for, training.precision, self.device)
+        self.objective = build_objective("sft")
+
+    def _setup_resume(self) -> None:
+        recipe, runtime = self.recipe, self.runtime
+        self.checkpoints = CheckpointManager(recipe.run_dir / "checkpoints", recipe.checkpoint.keep_last)
+        self.order = data_order(recipe, runtime.world_size)
+        self.step, self.epoch, self.batch_index = 0, 0, 0
+        self.resume_from = resume_path(recipe, self.checkpoints)
+        self.resumed_message = None
+        if self.resume_from is not None:
+            resumed = resume(
+                self.resume_from,
+                runtime,
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                self.order,
+                self.total_steps,
+            )
+            self.step, self.epoch, self.batch_index = resumed.step, resumed.epoch, resumed.batch_index
+            self.resumed_message = resumed.message
+        self.last_saved = self.resume_from if self.step > 0 else None
+
+    def _setup_metrics(self) -> None:
+        recipe, training, runtime = self.recipe, self.training, self.runtime
+        if runtime.is_main:
+            self.metrics = MetricsLogger(
+                recipe.run_dir,
+                self.total_steps,
+                self.step,
+                progress=recipe.logging.progress,
+                tensorboard=recipe.logging.tensorboard,
+            )
+            self.log = self.metrics.info
+            self.log(self.datasets.report())
+            self.log(
+                f"model {self.model_class}, {self.parameters / 1e6:.1f}M parameters, {training.precision} on "
+                f"{self.device} ({runtime.strategy}, {runtime.world_size} process(es)); {self.total_steps} steps of "
+                f"{training.micro_batch_size} × {training.gradient_accumulation_steps} × {runtime.world_size} "
+                f"sequences of ≤ {recipe.data.max_seq_len} tokens"
+            )
+            for message in (*self.transform_reports.values(), runtime.notice, self.resumed_message):
+                if message:
+                    self.log(str(message))
+            self.metrics.write(self._start_record())
+        self.throughput = Throughput(
+            recipe.logging.throughput_warmup_steps,
+            runtime.world_size,
+            self.model_flops,
+            peak_bf16_flops(self.device),
+        )
+
+    def _start_record(self) -> dict:
+        patch_report = self.transform_reports.get("kernels")
+        return {
+            "event": "start",
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "world_size": self.runtime.world_size,
+            "strategy": self.runtime.strategy,
+            "device": str(self.device),
+            "parameters": self.parameters,
+            "flops_per_token": self.model_flops,
+            "kernels_patched": {k: n for k, n in patch_report.patched.items() if n} if patch_report else {},
+        }
+
+    # -- train -------------------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        """The loop, then the end of the run. Returns normally after a stop signal."""
+        training = self.training
+        stream = micro_batch_stream(
+            self.loader, self.epoch, self.batch_index, None if training.max_steps else training.epochs
+        )
+        self.window_losses: list[float] = []
+        self.skipped = 0
+        self.last_loss = self.eval_loss = None
+        stop_signal = None
+        started = time.perf_counter()
+        with StopSignal(self.log) as stop:
+            while self.step < self.total_steps:
+                record = self._step(stream)
+                if record is None:
+                    break
+                stop_requested = bool(self.on_step_end(record)) if self.on_step_end is not None else False
+                self._after_step(record)
+                # Every rank stops at the same step (the save is collective), with the same reason.
+                signum, requested = self.runtime.max_over_ranks([stop.signum or 0, int(stop_requested)])
+                if signum or requested:
+                    stop_signal = signum or None
+                    break
+            # The end, or a stop: save (unless this step is saved already) so the job can resume.
+            # A stop by signal always saves; the end of the run only when checkpoint.save_final.
+            if self.recipe.checkpoint.save_final or stop_signal is not None:
+                self._save_unless_saved()
+        return self._finish(stop_signal, time.perf_counter() - started)
+
+    def _step(self, stream: Iterator) -> StepRecord | None:
+        """One optimizer step over the next window of micro-batches; None when the data ends."""
+        t0 = time.perf_counter()
+        position_before = (self.epoch, self.batch_index)
+        window = list(itertools.islice(stream, self.training.gradient_accumulation_steps))
+        if not window:
+            return None
+        self.epoch, self.batch_index = window[-1][1]
+        lr = self.optimizer.param_groups[0]["lr"]
+        outcome = forward_backward(
+            self.model, self.objective, [b for b, _ in window], self.runtime, self.autocast
+        )
+        grad_norm = self.runtime.clip_grad_norm(self.model, self.training.max_grad_norm)
+        # The step's one host synchronisation: the finiteness check needs the values.
+        loss, norm, items, label_tokens, tokens = torch.stack(
+            [
+                outcome.loss,
+                grad_norm.double(),
+                *(x.double() for x in (outcome.items, outcome.label_tokens)),
+                outcome.tokens,
+            ]
+        ).tolist()
+        finite = math.isfinite(loss) and math.isfinite(norm)
+        if finite:
+            self.runtime.optimizer_step(self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        if not finite:
+            self._nonfinite(loss, norm, position_before)
+        self.scheduler.step()
+        self.step += 1
+        seconds = time.perf_counter() - t0
+        self.throughput.add_step(seconds, int(label_tokens), int(tokens))
+        if finite:
+            self.last_loss = loss
+            self.window_losses.append(loss)
+        epoch_progress = self.epoch + self.batch_index / self.loader.batches_per_epoch
+        return StepRecord(
+            self.step,
+            epoch_progress,
+            loss,
+            norm,
+            lr,
+            int(items),
+            int(label_tokens),
+            int(tokens),
+            seconds,
+            not finite,
+        )
+
+    def _nonfinite(self, loss: float, norm: float, position_before: tuple[int, int]) -> None:
+        """A step whose loss or gradient norm is NaN/inf: stop with the last good state saved, or skip."""
+        what = f"loss {loss} and grad norm {norm}" if not math.isfinite(loss) else f"grad norm {norm}"
+        if self.training.on_nonfinite == "stop":
+            # Weights, optimizer and schedule are still those of the last good step.
+            path = self.last_saved if self.last_saved == self.checkpoints.path_for(self.step) else None
+            path = path or self._save(self.step, position_before)
+            raise TrainingError(
+                f"non-finite {what} at step {self.step + 1}; stopped. The last good state (step {self.step}) "
+                f"is saved in {path}. Lower training.lr, check the data, or set "
+                "training.on_nonfinite=skip to skip such steps"
+            )
+        self.skipped += 1
+        self.log(
+            f"step {self.step + 1}: non-finite {what}; skipped the optimizer step ({self.skipped} so far)"
+        )
+
+    def _after_step(self, record: StepRecord) -> None:
+        """Metrics, periodic evaluation and periodic checkpoint after step `record.step`."""
+        step = record.step
+        if self.metrics is not None:
+            self.metrics.step_done(step, None if record.skipped else record.loss)
+            if step % self.recipe.logging.log_every == 0 or step == self.total_steps:
+                allocated, reserved = peak_memory_gib(self.device)
+                self.metrics.train(
+                    {
+                        "step": step,
+                        "epoch": record.epoch,
+                        # The mean of the window's step losses (skipped steps left out).
+                        "loss": sum(self.window_losses) / len(self.window_losses)
+                        if self.window_losses
+                        else None,
+                        "lr": record.lr,
+                        "grad_norm": record.grad_norm,
+                        **self.throughput.take_window(),
+                        "peak_mem_allocated_gib": allocated,
+                        "peak_mem_reserved_gib": reserved,
+                        "skipped_steps": self.skipped,
+                    }
+                )
+                self.window_losses = []
+        eval_every = self.training.eval_every
+        if self.eval_loader is not None and eval_every and step % eval_every == 0:
+            self.eval_loss = self._evaluate()
+        every = self.recipe.checkpoint.every_steps
+        if every and step % every == 0:
+            self.last_saved = self._save(step, (self.epoch, self.batch_index))
+
+    def _evaluate(self) -> float | None:
+        loss, items = evaluate(
+            self.model,
+            self.objective,
+            self.eval_loader,
+            self.runtime,
+            self.autocast,
+            self.training.eval_max_batches,
+        )
+        if items == 0:
+            self.log(f"eval step {self.step}: the validation split has no label tokens; nothing to evaluate")
+            return None
+        if self.metrics is not None:
+            self.metrics.eval(
+                {
+                    "step": self.step,
+                    "eval_loss": loss,
+                    "eval_ppl": math.exp(min(loss, 700.0)),
+                    "eval_label_tokens": items,
+                }
+            )
+        return loss
+
+    def _save(self, at_step: int, position: tuple[int, int]) -> Path:
+        # Every rank takes part: each writes its share of the state (sharded strategies).
+        return self.checkpoints.save_from(
+            self.runtime,
+            at_step,
+            write_state=lambda directory: self.runtime.save_state(directory, self.model, self.optimizer),
+            format=self.runtime.checkpoint_format,
+            scheduler=self.scheduler.state_dict(),
+            state={"epoch": position[0], "batch_index": position[1], "order": self.order},
+            recipe_yaml=recipe_to_yaml(self.recipe),
+        )
+
+    def _save_unless_saved(self) -> None:
+        if self.last_saved != self.checkpoints.path_for(self.step):
+            self.last_saved = self._save(self.step, (self.epoch, self.batch_index))
+
+    def _finish(self, stop_signal: int | None, seconds: float) -> TrainResult:
+        """After the loop: the final evaluation and export (a completed run only), the summary."""
+        export_dir = None
+        if self.step >= self.total_steps and stop_signal is None:
+            eval_every = self.training.eval_every
+            if self.eval_loader is not None and not (eval_every and self.step % eval_every == 0):
+                self.eval_loss = self._evaluate()
+            if self.recipe.checkpoint.export_hf:
+                export_dir = export_hf(
+                    self.model, self.tokenizer, self.runtime, self.recipe.run_dir / "final"
+                )
+                self.log(f"exported the model in Hugging Face format to {export_dir}")
+        if self.metrics is not None:
+            allocated, reserved = peak_memory_gib(self.device)
+            extra = {"skipped steps": self.skipped, "checkpoint": str(self.last_saved)}
+            if stop_signal is not None:
+                extra["stopped by"] = signal.Signals(stop_signal).name
+            self.metrics.summary(
+                RunSummary(
+                    steps=self.step,
+                    seconds=seconds,
+                    rates=self.throughput.rates(self.throughput.run),
+                    peak_mem_allocated_gib=allocated,
+                    peak_mem_reserved_gib=reserved,
+                    final_loss=self.last_loss,
+                    eval_loss=self.eval_loss,
+                    extra=extra,
+                )
+            )
+        return TrainResult(
+            steps=self.step,
+            final_loss=self.last_loss,
+            eval_loss=self.eval_loss,
+            run_dir=self.recipe.run_dir,
+            checkpoint=self.last_saved,
+            export_dir=export_dir,
+            signal=stop_signal,
+            model=self.hf_model,
+        )
+
+    # -- cleanup -----------------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.runtime is not None:
+            self.runtime.shutdown()
+
+
+def train(recipe: Recipe, *, on_step_end: Callable[[StepRecord], bool | None] | None = None) -> TrainResult:
+    """Train as the recipe says. Raises RecipeError / DataError for bad input and
+    TrainingError when the run cannot go on; returns normally after a stop signal."""
+    trainer = Trainer(recipe, on_step_end)
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        trainer.cleanup()
