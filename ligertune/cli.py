@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import shutil
 import sys
+from enum import Enum
 from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from ligertune.config import load_recipe, recipe_to_yaml, shipped_recipes
+from ligertune.config.rules import model_problems
 from ligertune.errors import RecipeError
 
 app = typer.Typer(
@@ -39,13 +42,32 @@ def fail(error: RecipeError, who: str = "") -> None:
     raise typer.Exit(2)
 
 
+class Format(str, Enum):
+    """How `validate` prints a resolved recipe (a choice, so a typo is an error, not silence)."""
+
+    table = "table"
+    yaml = "yaml"
+    none = "none"
+
+
+def _print_error(message: str) -> None:
+    """One error line, never wrapped (a path stays whole) and never read as markup."""
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+
+
+def _print_problems(header: str, problems: list[str]) -> None:
+    err_console.print(f"[bold red]✗[/] {escape(header)}", highlight=False, soft_wrap=True)
+    for problem in problems:
+        err_console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
+
+
 @app.command()
 def validate(
-    recipes: list[Path] = typer.Argument(
+    recipes: list[str] = typer.Argument(
         ..., help="Recipe files, optionally followed by key=value overrides."
     ),
-    fmt: str = typer.Option(
-        "table", "--format", "-f", help="How to print the resolved recipe: table, yaml or none."
+    fmt: Format = typer.Option(
+        Format.table, "--format", "-f", help="How to print the resolved recipe: table, yaml or none."
     ),
     check: bool = typer.Option(
         False,
@@ -67,23 +89,33 @@ def validate(
 
       ligertune validate recipes/llama3-8b-alpaca.yaml --check -f none model.config_overrides.num_hidden_layers=2
     """
-    files = [str(p) for p in recipes if "=" not in str(p)]
-    overrides = [str(p) for p in recipes if "=" in str(p)]
+    files = [p for p in recipes if "=" not in p]
+    overrides = [p for p in recipes if "=" in p]
+    if not files:
+        _print_error(
+            "name a recipe file before the key=value overrides, "
+            "e.g. ligertune validate recipes/quickstart.yaml training.lr=1e-4"
+        )
+        raise typer.Exit(2)
     failed = parity_failed = False
     for file in files:
         try:
             recipe = load_recipe(file, overrides)
         except RecipeError as e:
             failed = True
-            err_console.print(f"[bold red]✗[/] {file}")
-            for problem in e.problems:
-                err_console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
+            _print_problems(file, e.problems)
             continue
-        if fmt == "yaml":
+        # Everything train refuses before building the model, validate refuses too.
+        problems = model_problems(recipe)
+        if problems:
+            failed = True
+            _print_problems(file, problems)
+            continue
+        if fmt is Format.yaml:
             console.print(recipe_to_yaml(recipe), markup=False, highlight=False)
-        elif fmt == "table":
+        elif fmt is Format.table:
             _print_recipe_table(file, recipe)
-        console.print(f"[green]✓[/] {file}")
+        console.print(f"[green]✓[/] {escape(file)}", highlight=False, soft_wrap=True)
         if check:
             from ligertune.tools.check import check_recipe
 
@@ -91,8 +123,7 @@ def validate(
                 result = check_recipe(recipe)
             except RecipeError as e:
                 failed = True
-                for problem in e.problems:
-                    err_console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
+                _print_problems(f"{file} (--check)", e.problems)
                 continue
             console.print(str(result.report), markup=False, highlight=False, soft_wrap=True)
             console.print(str(result), markup=False, highlight=False, soft_wrap=True)
@@ -165,15 +196,23 @@ def recipes_cp(
 
         close = difflib.get_close_matches(name, list(available), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        err_console.print(f"[bold red]error:[/] no shipped recipe named {name!r}{hint}")
+        _print_error(f"no shipped recipe named {name!r}{hint}")
         raise typer.Exit(2)
     if dest.is_dir():
         dest = dest / source.name
     if dest.exists():
-        err_console.print(f"[bold red]error:[/] {dest} exists; not overwriting it")
+        _print_error(f"{dest} exists; not overwriting it")
         raise typer.Exit(2)
-    shutil.copyfile(source, dest)
-    console.print(f"wrote {dest}")
+    if not dest.parent.is_dir():
+        what = "is a file" if dest.parent.exists() else "does not exist"
+        _print_error(f"cannot write {dest}: the folder {dest.parent} {what}; create the folder first")
+        raise typer.Exit(2)
+    try:
+        shutil.copyfile(source, dest)
+    except OSError as e:
+        _print_error(f"cannot write {dest}: {e.strerror}")
+        raise typer.Exit(2) from None
+    console.print(f"wrote {dest}", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()

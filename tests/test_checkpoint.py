@@ -1,7 +1,11 @@
-"""Checkpoints: round trip, atomic save under a real kill, pruning, RNG states."""
+"""Checkpoints: round trip, atomic save under a real kill, pruning, RNG states, the manifest
+and verification, a full disk."""
 
 from __future__ import annotations
 
+import errno
+import json
+import os
 import random
 import signal
 import subprocess
@@ -13,12 +17,16 @@ import numpy as np
 import pytest
 import torch
 
+from ligertune.errors import TrainingError
 from ligertune.run.checkpoint import (
     COMPLETE,
+    MANIFEST,
     CheckpointManager,
+    DamagedCheckpoint,
     atomic_directory,
     load_checkpoint,
     restore_rng_state,
+    verify_checkpoint,
 )
 
 
@@ -145,3 +153,102 @@ def test_rng_states_round_trip_through_a_checkpoint(tmp_path):
     restore_rng_state(load_checkpoint(tmp_path / "step-1").rng)
     again = (random.random(), np.random.rand(3).tolist(), torch.rand(3))
     assert expected[0] == again[0] and expected[1] == again[1] and torch.equal(expected[2], again[2])
+
+
+def test_the_manifest_records_every_file_and_verification_finds_each_kind_of_damage(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    path = _save(manager, 4, 1.0)
+    manifest = json.loads((path / MANIFEST).read_text())
+    files = sorted(p.name for p in path.iterdir() if p.name not in (MANIFEST, COMPLETE))
+    assert manifest["algorithm"] == "sha256" and sorted(manifest["files"]) == files
+    assert manifest["files"]["model.pt"]["size"] == (path / "model.pt").stat().st_size
+    verify_checkpoint(path)
+
+    model = path / "model.pt"
+    whole = model.read_bytes()
+    model.write_bytes(whole[:-10])
+    with pytest.raises(
+        DamagedCheckpoint,
+        match=rf"checkpoint {path} is damaged: model.pt has {len(whole) - 10} bytes, {len(whole)} were saved",
+    ):
+        verify_checkpoint(path)
+    flipped = bytearray(whole)
+    flipped[len(whole) // 2] ^= 1
+    model.write_bytes(bytes(flipped))
+    with pytest.raises(DamagedCheckpoint, match="model.pt does not match the sha256"):
+        verify_checkpoint(path)
+    model.unlink()
+    with pytest.raises(DamagedCheckpoint, match="model.pt is missing"):
+        verify_checkpoint(path)
+    model.write_bytes(whole)
+    (path / MANIFEST).write_text("{")
+    with pytest.raises(DamagedCheckpoint, match=f"{MANIFEST} cannot be read"):
+        verify_checkpoint(path)
+
+
+def test_a_checkpoint_without_a_manifest_loads_and_is_verified_as_far_as_it_can_be(tmp_path):
+    manager = CheckpointManager(tmp_path, keep_last=3)
+    path = _save(manager, 4, 2.0)
+    (path / MANIFEST).unlink()  # as saved before manifests existed
+    verify_checkpoint(path)
+    assert torch.equal(load_checkpoint(path).model["w"], torch.full((3, 2), 2.0))
+
+    optimizer = path / "optimizer.pt"
+    whole = optimizer.read_bytes()
+    optimizer.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(DamagedCheckpoint, match="optimizer.pt is not a whole torch file"):
+        verify_checkpoint(path)
+    with pytest.raises(
+        DamagedCheckpoint, match=rf"checkpoint {path} is damaged: optimizer.pt cannot be loaded"
+    ):
+        load_checkpoint(path).optimizer  # noqa: B018
+    optimizer.write_bytes(whole)
+    (path / "state.json").write_text('{"step": 4,')
+    with pytest.raises(DamagedCheckpoint, match=rf"checkpoint {path} is damaged: state.json cannot be read"):
+        verify_checkpoint(path)
+    with pytest.raises(DamagedCheckpoint, match="state.json cannot be read"):
+        load_checkpoint(path)
+
+
+def test_a_record_that_fails_its_crc_is_found_without_a_manifest(tmp_path):
+    """Same size, a flipped byte inside a tensor: torch.load would read it silently."""
+    path = _save(CheckpointManager(tmp_path, keep_last=3), 1, 3.0)
+    (path / MANIFEST).unlink()
+    model = path / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[data.index(torch.full((3, 2), 3.0).numpy().tobytes())] ^= 0x40
+    model.write_bytes(bytes(data))
+    with pytest.raises(DamagedCheckpoint, match="model.pt: its record .* fails its CRC check"):
+        verify_checkpoint(path)
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])
+def test_a_full_disk_during_a_save_removes_the_partial_one_and_names_the_last_good_one(
+    tmp_path, monkeypatch, code
+):
+    manager = CheckpointManager(tmp_path, keep_last=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", lambda obj, path: _write_partially(path, code))
+        with pytest.raises(
+            TrainingError,
+            match=rf"on {tmp_path} while saving step 1; no earlier checkpoint exists; free space",
+        ):
+            _save(manager, 1, 1.0)
+    good = _save(manager, 2, 2.0)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", lambda obj, path: _write_partially(path, code))
+        with pytest.raises(TrainingError) as error:
+            _save(manager, 3, 3.0)
+    what = "no space left" if code == errno.ENOSPC else "disk quota exceeded"
+    assert str(error.value) == (
+        f"{what} on {tmp_path} while saving step 3; the last good checkpoint {good} is intact; free space and resume"
+    )
+    assert isinstance(error.value.__cause__, OSError) and error.value.__cause__.errno == code
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]  # no .tmp-step-3 left
+    verify_checkpoint(good)
+
+
+def _write_partially(path, code: int) -> None:
+    with open(path, "wb") as f:
+        f.write(b"PK\x03\x04 half a file")
+    raise OSError(code, os.strerror(code), str(path))

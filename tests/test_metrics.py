@@ -131,6 +131,67 @@ def test_logger_writes_jsonl_records_and_summary(tmp_path, capsys):
     assert "run summary" in out and "final loss" in out
 
 
+@pytest.mark.parametrize(
+    ("tail", "why"),
+    [
+        (b'{"event": "train", "step": 3, "lo', "has no newline"),  # killed mid-line
+        (b'{"event": "train", "st\n', "is not a JSON object"),  # a line cut short, newline and all
+        (b"\0\0\0\0\n", "is not a JSON object"),  # blocks the filesystem never filled in
+    ],
+)
+def test_reopening_the_log_cuts_a_torn_last_line_with_a_warning(tmp_path, capsys, tail, why):
+    path = tmp_path / "metrics.jsonl"
+    whole = b'{"event": "start", "step": 0}\n{"event": "train", "step": 1}\n'
+    path.write_bytes(whole + tail)
+    logger = MetricsLogger(tmp_path, total_steps=20, start_step=1, progress="plain")
+    logger.write({"event": "start", "step": 1})
+    logger.close()
+    assert f"warning: the last line of {path} {why}" in " ".join(capsys.readouterr().out.split())
+    text = path.read_bytes()
+    assert text.startswith(whole) and text.endswith(b"\n")
+    assert [json.loads(line)["step"] for line in text.splitlines()] == [0, 1, 1]
+
+
+def test_a_whole_log_is_left_as_it_is(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    whole = (
+        b'{"event": "start", "step": 0}\n'
+        + b'{"event": "train", "step": 1, "pad": "'
+        + b"x" * 70000
+        + b'"}\n'
+    )
+    path.write_bytes(whole)  # a last line longer than the 64 KiB blocks the repair reads backwards
+    assert metrics.repair_torn_tail(path) is None and path.read_bytes() == whole
+    path.write_bytes(whole[:-1])
+    assert "has no newline" in metrics.repair_torn_tail(path)
+    assert path.read_bytes() == b'{"event": "start", "step": 0}\n'
+    assert metrics.repair_torn_tail(tmp_path / "absent.jsonl") is None
+    assert "warning" not in capsys.readouterr().out
+
+
+def test_each_record_is_one_append_write(tmp_path, monkeypatch):
+    """One write() of the whole line on an O_APPEND descriptor: a crash cannot split a record
+    between two writes, and the file never holds a partial line that a later write completes."""
+    import fcntl
+    import os
+
+    logger = MetricsLogger(tmp_path, total_steps=20, start_step=0, progress="plain")
+    writes = []
+    real_write = os.write
+
+    def recording_write(fd, data):
+        writes.append((fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND, bytes(data)))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", recording_write)
+    logger.write({"event": "train", "step": 1, "loss": 2.5})
+    monkeypatch.undo()
+    logger.close()
+    ((append, line),) = writes
+    assert append and line.endswith(b"\n") and json.loads(line)["loss"] == 2.5
+    assert (tmp_path / "metrics.jsonl").read_bytes() == line
+
+
 def test_tensorboard_missing_is_a_message_not_a_crash(tmp_path, capsys, monkeypatch):
     import builtins
 

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ligertune.config import Recipe, RecipeError, apply_overrides, load_recipe, validate_recipe
+from ligertune.config import (
+    Recipe,
+    RecipeError,
+    apply_overrides,
+    load_recipe,
+    machine_problems,
+    validate_recipe,
+)
 from ligertune.patching.registry import KERNEL_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,3 +147,37 @@ def test_deepspeed_missing_names_the_install(tmp_path):
     assert "parallel.strategy: deepspeed is chosen but not installed" in proc.stderr
     assert "pip install 'ligertune[deepspeed]'" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_output_dir_expands_home():
+    """`output_dir: ~/x` is the home folder's x, as data paths are; not a literal ./~ folder."""
+    recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml", ["output_dir=~/ligertune-runs/q"])
+    assert recipe.run_dir == Path.home() / "ligertune-runs" / "q"
+    assert load_recipe(ROOT / "recipes" / "quickstart.yaml").run_dir == Path("runs") / "quickstart"
+
+
+def test_max_grad_norm_zero_is_no_clipping():
+    recipe = load_recipe(ROOT / "recipes" / "quickstart.yaml", ["training.max_grad_norm=0"])
+    assert recipe.training.max_grad_norm is None
+    assert load_recipe(ROOT / "recipes" / "quickstart.yaml").training.max_grad_norm == 1.0
+
+
+def test_floats_without_a_dot_read_as_numbers(tmp_path):
+    """YAML 1.1 reads `2e-5` as a string; recipes read it as the number people mean, in the file
+    and in an override, while a quoted '2e-5' stays a string (refused by the strict schema)."""
+    text = (ROOT / "recipes" / "quickstart.yaml").read_text().replace("lr: 3.0e-3", "lr: 3e-3")
+    assert "lr: 3e-3" in text
+    (tmp_path / "r.yaml").write_text(text)
+    recipe = load_recipe(tmp_path / "r.yaml", ["training.weight_decay=1e-2"])
+    assert recipe.training.lr == 3e-3 and recipe.training.weight_decay == 1e-2
+
+
+def test_train_runs_the_model_rules_before_any_work():
+    """`train` checks `machine_problems` first (Trainer.setup): the model rules are part of it, so
+    an unknown model_type stops train where validate stops it, before any model work."""
+    raw = yaml.safe_load((BROKEN / "unknown_key.yaml").read_text())
+    raw.pop("training")
+    raw["model"] = {"config": {"model_type": "not_a_model"}}
+    recipe = validate_recipe(raw, base_dir=BROKEN)  # the recipe rules do not import transformers
+    problems = machine_problems(recipe)
+    assert any(p.startswith("model.config.model_type: model_type 'not_a_model' is not one") for p in problems)

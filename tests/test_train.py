@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from ligertune.config import RecipeError, load_recipe
+from ligertune.config import RecipeError, load_recipe, recipe_to_yaml
 from ligertune.data.formats import IGNORE_INDEX
 from ligertune.distributed import Runtime, create_runtime
 from ligertune.models.build import build_config, build_model
@@ -28,7 +28,7 @@ from ligertune.objectives.causal_lm import CausalLM
 from ligertune.run.checkpoint import load_checkpoint
 from ligertune.training import TrainingError, train
 from ligertune.training.optim import autocast_for, build_optimizer, build_scheduler
-from ligertune.training.resume import position_warning
+from ligertune.training.resume import recipe_changes
 from ligertune.training.step import forward_backward
 from ligertune.training.transforms import apply_transforms
 from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT, TINY_MODEL, tiny_llama
@@ -357,16 +357,40 @@ def test_save_final_false_leaves_no_checkpoint_but_a_signal_still_saves(tmp_path
     assert stopped.steps == 2 and stopped.checkpoint is None, "a hook stop is not a preemption: no save"
 
 
-def test_resume_warns_when_the_data_order_changed():
-    saved = {"seed": 1, "micro_batch_size": 2, "world_size": 1, "data": {"path": "a"}}
-    assert position_warning(saved, dict(saved)) is None
-    warning = position_warning(saved, saved | {"micro_batch_size": 4, "seed": 2})
-    assert warning.startswith("warning: seed, micro_batch_size changed")
+def test_resume_refuses_when_the_data_order_changed():
+    """A changed data order used to be a warning; the saved position would name other batches,
+    so a resume now refuses it, one line per key."""
+    saved = load_recipe(QUICKSTART, ["seed=1", "training.micro_batch_size=2"])
+
+    def changes(*overrides):
+        current = load_recipe(QUICKSTART, list(overrides))
+        return recipe_changes(
+            recipe_to_yaml(saved),
+            current,
+            saved_world_size=1,
+            world_size=1,
+            saved_format="full",
+            current_format="full",
+        )
+
+    assert changes("seed=1", "training.micro_batch_size=2") == ([], [])
+    applied, refused = changes("seed=2", "training.micro_batch_size=4", "data.shuffle=false")
+    assert applied == []
+    assert [line.split(" since ")[0] for line in refused] == [
+        "seed: 1 → 2",
+        "data.shuffle: True → False",
+        "training.micro_batch_size: 2 → 4",
+    ]
+    assert "the data order depends on it" in refused[0]
+    assert "micro_batch_size × world size goes from 2 to 4 rows" in refused[2]
+
+
+# Step 1 is finite, every later one has a NaN loss (a plugin: see tests/test_resume.py).
+NAN_FROM_STEP_2 = "plugins=[tests.test_resume:nan_loss_from_forward_2]"
 
 
 def test_nonfinite_loss_stops_with_the_step_and_a_checkpoint(tmp_path):
-    # lr 1e30: step 1 is finite, then the weights are ~1e30 and step 2 overflows.
-    recipe = tiny_recipe(tmp_path, "training.max_steps=5", "training.lr=1e30", "training.warmup_steps=0")
+    recipe = tiny_recipe(tmp_path, "training.max_steps=5", NAN_FROM_STEP_2, "training.warmup_steps=0")
     with pytest.raises(
         TrainingError, match=r"non-finite .* at step 2; stopped.*\(step 1\) is saved in .*step-1"
     ):
@@ -381,7 +405,7 @@ def test_nonfinite_skip_mode_skips_and_finishes(tmp_path):
     recipe = tiny_recipe(
         tmp_path,
         "training.max_steps=4",
-        "training.lr=1e30",
+        NAN_FROM_STEP_2,
         "training.warmup_steps=0",
         "training.on_nonfinite=skip",
     )

@@ -4,14 +4,18 @@ A field's own type and range are the schema's (`ligertune.config.schema`); every
 two keys, a file, or a fact about the machine is a rule here, so that one list answers "what can
 make a recipe invalid". ``docs/recipes.md`` lists them (generated from this module).
 
-Two phases:
+Three phases:
 
 - *recipe* rules read the recipe (and the files it names) only. `ligertune.config.load_recipe`
   runs them, so ``ligertune validate``, ``train``, ``compare`` and ``bench`` all refuse the same
   recipes, before any model, data or GPU work.
+- *model* rules read the model's config (``model.config``, a local model's config.json) against
+  the installed transformers, which they import; reading a recipe must not (it would cost seconds
+  and torch), so `load_recipe` leaves them out. ``validate`` runs them as errors, and ``train``
+  runs them first thing (`machine_problems` includes them): a recipe that validates builds.
 - *machine* rules need the machine the run goes on: is CUDA there, is a package installed.
-  ``train`` runs them before building anything; ``validate`` prints them as warnings, since a
-  recipe is often checked on a laptop and run on a GPU server.
+  ``train`` runs them before building anything; a recipe is often checked on a laptop and run
+  on a GPU server, so ``validate`` does not refuse a recipe for them.
 
 A rule returns one line per problem, each starting with the key to change.
 """
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +40,7 @@ from ligertune.paths import looks_local
 @dataclass(frozen=True)
 class Rule:
     name: str
-    phase: str  # "recipe" or "machine"
+    phase: str  # "recipe", "model" or "machine"
     check: Callable[[Recipe], list[str]]
 
     @property
@@ -58,9 +64,15 @@ def recipe_problems(recipe: Recipe) -> list[str]:
     return [p for r in RULES if r.phase == "recipe" for p in r.check(recipe)]
 
 
+def model_problems(recipe: Recipe) -> list[str]:
+    """Problems of the model the recipe names, as the installed transformers sees it."""
+    return [p for r in RULES if r.phase == "model" for p in r.check(recipe)]
+
+
 def machine_problems(recipe: Recipe) -> list[str]:
-    """Problems of running this recipe on this machine (CUDA, installed packages)."""
-    return [p for r in RULES if r.phase == "machine" for p in r.check(recipe)]
+    """What `train` checks before any work: the model rules, then running this recipe on this
+    machine (CUDA, installed packages)."""
+    return model_problems(recipe) + [p for r in RULES if r.phase == "machine" for p in r.check(recipe)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,6 +124,26 @@ def _local_files_exist(recipe: Recipe) -> list[str]:
                 shown = str(path) if path.is_absolute() else f"{value} (looked for {looked})"
                 problems.append(f"{key}: file not found: {shown}")
     return problems
+
+
+@rule("output_dir.writable")
+def _output_dir_writable(recipe: Recipe) -> list[str]:
+    """The run's folder (output_dir, default runs/<name>) is a folder that can be written, or can be created."""
+    target = recipe.run_dir
+    key = "output_dir" if recipe.output_dir else "output_dir (default runs/<name>)"
+    if target.exists() and not target.is_dir():
+        return [f"{key}: {target} is a file, not a folder; set output_dir to a folder"]
+    # Nothing is created here: the nearest existing folder must let the run create the rest.
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    shown = existing if existing.is_absolute() or existing != Path(".") else Path.cwd()
+    if not existing.is_dir():
+        return [f"{key}: cannot create {target}: {shown} is a file, not a folder; set output_dir elsewhere"]
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "" if existing == target else f", so {target} cannot be created"
+        return [f"{key}: {shown} is not writable{where}; set output_dir to a folder you can write"]
+    return []
 
 
 @rule("kernels.one_per_computation")
@@ -190,6 +222,80 @@ def _packages_installed(recipe: Recipe) -> list[str]:
             "installed; install it (pip install flash-attn --no-build-isolation) or use sdpa"
         )
     return problems
+
+
+# --------------------------------------------------------------------------------------------
+# Model rules
+# --------------------------------------------------------------------------------------------
+
+
+def _local_model_config(recipe: Recipe) -> tuple[Path | None, dict | None, list[str]]:
+    """A local ``model.name_or_path``'s config.json: (its path, its content, problems reading it).
+    (None, None, []) for a hub id or a random-init model: there is nothing local to read."""
+    name = recipe.model.name_or_path
+    if name is None or not looks_local(name):
+        return None, None, []
+    directory = recipe.resolve(name)
+    if not directory.exists():
+        return None, None, []  # files.exist has said so
+    config_file = directory / "config.json"
+    if not config_file.is_file():
+        return (
+            None,
+            None,
+            [f"model.name_or_path: {directory} is not a Hugging Face model folder (no config.json in it)"],
+        )
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, None, [f"model.name_or_path: cannot read {config_file} as JSON: {e}"]
+    if not isinstance(config, dict):
+        return None, None, [f"model.name_or_path: {config_file} must hold a JSON object"]
+    return config_file, config, []
+
+
+def _unknown_model_type(model_type: str) -> str | None:
+    """Why transformers cannot build `model_type` (naming the closest ones it knows), or None."""
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    known = list(CONFIG_MAPPING.keys())
+    if model_type in known:
+        return None
+    close = difflib.get_close_matches(model_type, known, n=3, cutoff=0.5)
+    hint = f"; closest known: {', '.join(close)}" if close else ""
+    return f"model_type {model_type!r} is not one transformers {transformers.__version__} knows{hint}"
+
+
+@rule("model.type_known", phase="model")
+def _model_type_known(recipe: Recipe) -> list[str]:
+    """The model's model_type is one the installed transformers knows, or its own code is trusted.
+
+    A local model whose model_type transformers knows loads with transformers' class even when
+    its config.json also names custom code (auto_map), as transformers itself does without
+    trust_remote_code: that class is also the one our kernels know how to patch."""
+    config = recipe.model.config
+    if isinstance(config, dict) and isinstance(config.get("model_type"), str):
+        problem = _unknown_model_type(config["model_type"])
+        return [f"model.config.model_type: {problem}"] if problem else []
+    config_file, local, problems = _local_model_config(recipe)
+    if local is None:
+        return problems
+    model_type = local.get("model_type")
+    problem = _unknown_model_type(model_type) if isinstance(model_type, str) else None
+    if "auto_map" in local and (problem or model_type is None):
+        if recipe.model.trust_remote_code:
+            return []
+        return [
+            f"model.trust_remote_code: {config_file} needs the custom modeling code it names (auto_map), "
+            "which runs only with model.trust_remote_code=true; set it if you trust that code"
+        ]
+    if problem:
+        return [
+            f"model.name_or_path: {config_file}: {problem}; a model with its own code needs auto_map in "
+            "config.json and model.trust_remote_code=true"
+        ]
+    return []
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,8 +7,10 @@ validator checks its own value only.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
@@ -17,7 +19,20 @@ from ligertune.paths import resolve_path
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    """Base of every section. Strict types: YAML already says what type a value is, so ``lr: true``
+    or ``packing: 1`` are mistakes to report, not values to coerce (pydantic's default would read
+    them as 1.0 and True). An int is still a valid float (``lr: 1``). Infinity and NaN are refused
+    wherever a float is expected: no key means anything with them."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True, allow_inf_nan=False)
+
+
+# An Adam beta: a decay rate in [0, 1). A YAML list is accepted for the pair (hence not strict on
+# the tuple itself), each element strictly a number.
+AdamBeta = Annotated[float, Field(strict=True, ge=0.0, lt=1.0)]
+
+# A run name becomes a folder under runs/: one plain path component.
+RUN_NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 # Short names accepted in `plugins`, and the function each stands for.
@@ -100,10 +115,14 @@ class TrainingSection(Section):
     weight_decay: float = Field(
         0.0, ge=0.0, description="AdamW weight decay (never applied to norms and biases)."
     )
-    adam_betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW beta1, beta2.")
-    adam_eps: float = Field(1e-8, gt=0, description="AdamW epsilon.")
+    adam_betas: tuple[AdamBeta, AdamBeta] = Field(
+        (0.9, 0.95), strict=False, description="AdamW beta1, beta2, each in [0, 1)."
+    )
+    adam_eps: float = Field(1e-8, gt=0, lt=1, description="AdamW epsilon.")
     max_grad_norm: float | None = Field(
-        1.0, description="Clip the global gradient norm to this (null: no clipping)."
+        1.0,
+        ge=0,
+        description="Clip the global gradient norm to this; 0 or null: no clipping (as in HF Trainer).",
     )
     precision: Literal["bf16", "bf16-mixed", "fp32"] = Field(
         "bf16",
@@ -118,9 +137,28 @@ class TrainingSection(Section):
     on_nonfinite: Literal["stop", "skip"] = Field(
         "stop", description="NaN/inf loss or grad norm: save the last good state and stop, or skip the step."
     )
+    max_skipped_steps: int | None = Field(
+        10,
+        ge=0,
+        description="on_nonfinite=skip: stop as stop does once more steps than this were skipped in the "
+        "run, resumes included (null: no limit).",
+    )
+    max_consecutive_skipped_steps: int | None = Field(
+        3,
+        gt=0,
+        description="on_nonfinite=skip: stop as stop does once more steps than this were skipped in a row "
+        "(null: no limit).",
+    )
     device: Literal["auto", "cuda", "cpu"] = Field(
         "auto", description="Where to train; auto picks CUDA when present."
     )
+
+    @field_validator("max_grad_norm")
+    @classmethod
+    def _zero_is_no_clipping(cls, value: float | None) -> float | None:
+        """0 means no clipping, as HF Trainer users expect; read literally it would scale every
+        gradient to zero. Normalised here so every strategy sees one spelling (None)."""
+        return None if value == 0 else value
 
 
 class _KernelSwitches(Section):
@@ -162,6 +200,14 @@ class DeepSpeedOptions(Section):
     offload_params: bool = Field(False, description="Offload parameters to the CPU (stage 3).")
     config: str | None = Field(None, description="A DeepSpeed JSON file merged over the generated config.")
 
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _stage_not_bool(cls, value):
+        """``True == 1`` in Python, so a Literal[1, 2, 3] would read ``zero_stage: true`` as 1."""
+        if isinstance(value, bool):
+            raise ValueError(f"got {value!r}; allowed: 1, 2 or 3")
+        return value
+
 
 class ParallelSection(Section):
     strategy: Literal["none", "ddp", "fsdp", "deepspeed"] = Field(
@@ -202,11 +248,16 @@ class CheckpointSection(Section):
 
 
 class Recipe(Section):
-    name: str = Field("run", description="Run name; also the default output directory under runs/.")
+    name: str = Field(
+        "run",
+        description="Run name (letters, digits, '.', '_', '-'); also the default output directory under runs/.",
+    )
     description: str = Field("", description="One line shown by `ligertune recipes`.")
-    seed: int = Field(42, description="Seed for weights (random init), data order and dropout.")
+    seed: int = Field(
+        42, ge=0, lt=2**32, description="Seed for weights (random init), data order and dropout; 0 to 2³²−1."
+    )
     output_dir: str | None = Field(
-        None, description="Where checkpoints, metrics and the export go (default runs/<name>)."
+        None, description="Where checkpoints, metrics and the export go (default runs/<name>); ~ expands."
     )
     model: ModelSection = Field(description="What to train.")
     plugins: list[str] = Field(
@@ -236,6 +287,18 @@ class Recipe(Section):
     # The directory the recipe file lives in: relative paths resolve against it.
     _base_dir: Path | None = None
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        """The default output folder is runs/<name>: a name with a separator or ``..`` would write
+        outside runs/, which is what output_dir is for."""
+        if not RUN_NAME.fullmatch(value) or value in (".", ".."):
+            raise ValueError(
+                f"got {value!r}; a run name is a plain name (letters, digits, '.', '_', '-'); "
+                "to choose where the run writes, set output_dir"
+            )
+        return value
+
     @field_validator("kernels", mode="before")
     @classmethod
     def _kernel_preset(cls, value):
@@ -247,7 +310,9 @@ class Recipe(Section):
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.output_dir) if self.output_dir else Path("runs") / self.name
+        """Where the run writes: output_dir (``~`` expanded, relative to the working directory),
+        else runs/<name>."""
+        return Path(os.path.expanduser(self.output_dir)) if self.output_dir else Path("runs") / self.name
 
     def resolve(self, path: str) -> Path:
         return resolve_path(path, self._base_dir)

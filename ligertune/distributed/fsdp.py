@@ -81,7 +81,7 @@ class FSDPRuntime(ProcessGroupRuntime):
         norm = torch.nn.utils.get_total_norm([p.grad for p in params])
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        if max_norm is not None:
+        if max_norm:  # None or 0: no clipping, as in `Runtime.clip_grad_norm`
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
         return norm.to(self.device)
 

@@ -126,9 +126,10 @@ class Runtime:
 
     def clip_grad_norm(self, model: nn.Module, max_norm: float | None) -> torch.Tensor:
         """Global gradient 2-norm before clipping (a 0-d tensor on `device`, no host sync);
-        scales the gradients down to `max_norm` when it is set and exceeded."""
+        scales the gradients down to `max_norm` when it is set and exceeded. None or 0 means no
+        clipping (``training.max_grad_norm``): clipping to 0 would zero every gradient."""
         params = [p for p in model.parameters() if p.grad is not None]
-        if max_norm is None:
+        if not max_norm:
             return torch.nn.utils.get_total_norm([p.grad for p in params])
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
 

@@ -46,6 +46,22 @@ def _model_source(recipe: Recipe) -> str:
     return str(recipe.resolve(name)) if looks_local(name) else name
 
 
+def _load_problem(recipe: Recipe, what: str, error: Exception) -> RecipeError:
+    """A failed transformers load (no hub access, a wrong id, a gated repository, a folder without
+    weights) as a recipe error naming ``model.name_or_path``. transformers' own messages span
+    lines (and for an unrecognised model list every model type); the first line says what failed."""
+    revision = f" at revision {recipe.model.revision}" if recipe.model.revision else ""
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    if len(reason) > 300:
+        reason = reason[:300] + "..."
+    return RecipeError(
+        [
+            f"model.name_or_path: could not load the {what} of {recipe.model.name_or_path!r}{revision}: {reason} "
+            "(a hub id needs hub access or a local copy in the cache; a local path needs a Hugging Face model folder)"
+        ]
+    )
+
+
 def _unknown_keys_problem(unknown: list[str], known: list[str]) -> str:
     hints = []
     for key in unknown:
@@ -63,13 +79,16 @@ def build_config(recipe: Recipe):
 
     overrides = dict(recipe.model.config_overrides)
     if recipe.model.config is None:
-        config, unused = AutoConfig.from_pretrained(
-            _model_source(recipe),
-            trust_remote_code=recipe.model.trust_remote_code,
-            revision=recipe.model.revision,
-            return_unused_kwargs=True,
-            **overrides,
-        )
+        try:
+            config, unused = AutoConfig.from_pretrained(
+                _model_source(recipe),
+                trust_remote_code=recipe.model.trust_remote_code,
+                revision=recipe.model.revision,
+                return_unused_kwargs=True,
+                **overrides,
+            )
+        except (OSError, ValueError) as e:
+            raise _load_problem(recipe, "config", e) from None
         if unused:
             raise RecipeError([_unknown_keys_problem(sorted(unused), list(config.to_dict()))])
         return config
@@ -104,13 +123,16 @@ def build_model(recipe: Recipe, device: torch.device):
         trust_remote_code=recipe.model.trust_remote_code,
     )
     if recipe.model.config is None:
-        model = AutoModelForCausalLM.from_pretrained(
-            _model_source(recipe),
-            config=config,
-            revision=recipe.model.revision,
-            device_map=str(device),
-            **common,
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                _model_source(recipe),
+                config=config,
+                revision=recipe.model.revision,
+                device_map=str(device),
+                **common,
+            )
+        except OSError as e:
+            raise _load_problem(recipe, "weights", e) from None
     else:
         torch.manual_seed(recipe.seed)
         with torch.device(device):

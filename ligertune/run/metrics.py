@@ -31,12 +31,21 @@ Sinks
     per line with an ``event`` of ``start``, ``train``, ``eval`` or ``summary``), the console
     (a rich progress bar with ETA on a terminal, plain lines otherwise), TensorBoard scalars
     when enabled and installed, and an end-of-run summary table.
+
+    Each JSONL record goes out in one ``write()`` of the whole line and its newline, on a file
+    opened with ``O_APPEND``: a line is never split between two writes (nor between two
+    writers), and a process killed or a disk filled mid-line leaves at most a torn last line.
+    Opening the file again (a resume) repairs that: a last line without its newline, or one
+    that is not JSON, is cut off with a warning, so the file is valid JSON lines again before
+    the first new record. A full disk while writing one is a `TrainingError` saying so.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,6 +55,8 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.table import Table
+
+from ligertune.errors import TrainingError
 
 # Dense (no sparsity) bf16 tensor-core peak in TFLOP/s, by a substring of
 # torch.cuda.get_device_name(). Looked up longest key first, so "H100 PCIe" wins over "H100".
@@ -205,6 +216,51 @@ def format_train_line(record: dict[str, Any], total_steps: int) -> str:
     return " | ".join(parts)
 
 
+def _last_line_start(fd: int, end: int) -> int:
+    """Offset of the first byte after the last newline before `end` (0 if there is none)."""
+    block = 64 * 1024
+    position = end
+    while position > 0:
+        start = max(0, position - block)
+        found = os.pread(fd, position - start, start).rfind(b"\n")
+        if found >= 0:
+            return start + found + 1
+        position = start
+    return 0
+
+
+def repair_torn_tail(path: Path) -> str | None:
+    """Cut a torn last line off the JSON-lines file `path`: one without its newline (the
+    writer died or the disk filled mid-write), or one that is not a JSON object. Returns a
+    warning saying what was removed, or None when the file was whole (or absent)."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return None
+        ends_whole = os.pread(fd, 1, size - 1) == b"\n"
+        start = _last_line_start(fd, size - 1 if ends_whole else size)
+        line = os.pread(fd, size - start, start)
+        if ends_whole:
+            try:
+                if isinstance(json.loads(line), dict):
+                    return None
+            except ValueError:
+                pass
+        os.ftruncate(fd, start)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    why = "is not a JSON object" if ends_whole else "has no newline"
+    return (
+        f"warning: the last line of {path} {why} (a run stopped mid-write or the disk filled up); "
+        f"removed it ({size - start} bytes)"
+    )
+
+
 @dataclass
 class RunSummary:
     steps: int
@@ -269,9 +325,12 @@ class MetricsLogger:
     ):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        self._file = self.path.open("a", encoding="utf-8")
         self.total_steps = total_steps
         self.console = console or Console(highlight=False)
+        repaired = repair_torn_tail(self.path)
+        if repaired:
+            self.info(repaired)
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         use_rich = progress == "rich" or (progress == "auto" and sys.stdout.isatty())
         self._progress = None
         if use_rich:
@@ -314,8 +373,7 @@ class MetricsLogger:
     def write(self, record: dict[str, Any]) -> None:
         record = {k: _json_safe(v) for k, v in record.items()}
         record.setdefault("time", time.time())
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._append((json.dumps(record) + "\n").encode())
         if self._tensorboard is not None and "step" in record:
             prefix = record["event"]
             for key, value in record.items():
@@ -325,6 +383,22 @@ class MetricsLogger:
                     and key not in ("step", "time")
                 ):
                     self._tensorboard.add_scalar(f"{prefix}/{key}", value, record["step"])
+
+    def _append(self, line: bytes) -> None:
+        """One write() of the whole line (see the module docstring). A regular file takes it
+        whole unless the disk fills; what is left of a short write is then written after it,
+        and the error it meets says so."""
+        try:
+            written = os.write(self._fd, line)
+            while written < len(line):
+                written += os.write(self._fd, line[written:])
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise TrainingError(
+                f"no space left on {self.path.parent} while writing {self.path.name}; free space and resume "
+                "from the last checkpoint (a torn last line is repaired on resume)"
+            ) from e
 
     def step_done(self, step: int, loss: float | None) -> None:
         """Advance the progress bar (every step, so the ETA stays current)."""
@@ -358,4 +432,6 @@ class MetricsLogger:
         self.close_progress()
         if self._tensorboard is not None:
             self._tensorboard.close()
-        self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -1,24 +1,66 @@
-"""Resuming: which checkpoint, what it restores, and what the log says about it.
+"""Resuming: which checkpoint, what it restores, which recipe changes it accepts, and what the log says.
 
 A checkpoint restores the weights, the optimizer and the schedule (through the runtime, which
-knows its format), every rank's RNG states, the step and the data position (epoch, next
-micro-batch). The data position only names the same batches when the data order's inputs are
-unchanged (`ORDER_KEYS`); otherwise the resume goes on with a warning.
+knows its format), every rank's RNG states, the step, the data position (epoch, next
+micro-batch) and the count of skipped steps.
+
+Resuming with a changed recipe (`recipe_changes`)
+    The checkpoint holds the recipe it was saved with (``recipe.yaml``). Before any state is
+    loaded, every key whose value differs from the current recipe's is looked up in
+    `RESUME_RULES` (the most specific entry wins: ``training.lr`` over ``training`` over the
+    default) and is either applied, with one log line per key
+    (``resume: training.lr 2e-05 → 1e-05 (applied)``), or refused: `RecipeError`, one line
+    per key naming why, before any training step.
+
+    applied   the schedule and optimizer: ``training.lr``, ``lr_schedule``, ``warmup_steps``,
+              ``min_lr_ratio``, ``max_steps``/``epochs`` (the schedule follows the new recipe
+              at the resumed step), ``weight_decay``, ``adam_betas``, ``adam_eps`` (set on the
+              param groups after the optimizer state is loaded), ``max_grad_norm``; the loop:
+              ``gradient_accumulation_steps`` (the micro-batch order does not depend on it),
+              ``on_nonfinite`` and its skip limits, ``eval_every``, ``eval_max_batches``,
+              ``activation_checkpointing``, ``compile``, ``device``; ``kernels.*``,
+              ``plugins`` and ``model.attn_implementation`` (the same functions computed
+              another way: numerically equivalent, logged); ``logging.*``, ``checkpoint.*``,
+              ``name``, ``description``, ``output_dir``; ``parallel.fsdp.reshard_after_forward``
+              and ``cpu_offload``.
+    refused   the model (every other ``model.*`` key: architecture, ``config_overrides``,
+              weights source), ``tokenizer.*``, ``data.*`` and ``seed`` (the saved position
+              would name other batches), ``training.precision`` and
+              ``parallel.fsdp.mixed_precision``, ``parallel.deepspeed.*`` (a ZeRO checkpoint
+              loads into the configuration that saved it), and any key this table does not know.
+    depends   ``training.micro_batch_size`` and the world size may change only together, with
+              micro_batch_size × world size unchanged: micro-batch i of every rank then covers
+              the same rows of the epoch's order. The weights and optimizer state reshard for
+              the "full" format (every rank reads the whole files) and FSDP's "dcp" format
+              (torch.distributed.checkpoint reshards on load), not for DeepSpeed ZeRO (one
+              partition per rank). ``parallel.strategy`` may change between strategies that
+              read the same checkpoint format (none and ddp).
+
+A state dict that still does not fit (a plugin that adds parameters, a hand-edited
+``recipe.yaml``) is refused with the first mismatch, not a traceback.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+from pydantic import ValidationError
+
 from ligertune.config import Recipe
 from ligertune.distributed import Runtime
 from ligertune.errors import RecipeError
-from ligertune.run.checkpoint import CheckpointManager, load_checkpoint, restore_rng_state
-
-# What fixes the data order; a resume with other values cannot replay the same batches.
-ORDER_KEYS = ("seed", "micro_batch_size", "world_size", "data")
+from ligertune.run.checkpoint import (
+    CheckpointManager,
+    DamagedCheckpoint,
+    load_checkpoint,
+    restore_rng_state,
+    verify_checkpoint,
+)
+from ligertune.training.optim import apply_hyperparameters
 
 
 def data_order(recipe: Recipe, world_size: int) -> dict[str, Any]:
@@ -31,25 +73,206 @@ def data_order(recipe: Recipe, world_size: int) -> dict[str, Any]:
     }
 
 
-def resume_path(recipe: Recipe, manager: CheckpointManager) -> Path | None:
+def resume_path(recipe: Recipe, manager: CheckpointManager) -> tuple[Path | None, list[str]]:
+    """The checkpoint to resume from, verified (`verify_checkpoint`), and a warning for each
+    damaged one passed over, for the run log.
+
+    ``auto`` tries the complete checkpoints newest first and takes the first intact one; when
+    every one is damaged it refuses rather than start over and prune them. An explicit path
+    must be intact: the user named that one. Either refusal is a RecipeError naming
+    checkpoint.resume, the checkpoint and the damaged file."""
     choice = recipe.checkpoint.resume
     if choice == "none":
-        return None
-    if choice == "auto":
-        return manager.latest()
-    return recipe.resolve(choice)
+        return None, []
+    if choice != "auto":
+        path = recipe.resolve(choice)
+        try:
+            verify_checkpoint(path)
+        except ValueError as e:
+            raise RecipeError([f"checkpoint.resume: {e}"]) from None
+        return path, []
+    passed_over: list[str] = []
+    for candidate in reversed(manager.complete()):
+        try:
+            verify_checkpoint(candidate)
+        except ValueError as e:
+            passed_over.append(f"warning: {e}; passed over it")
+            continue
+        return candidate, [f"{line}, resuming from {candidate}" for line in passed_over]
+    if passed_over:
+        raise RecipeError(
+            [
+                f"checkpoint.resume: auto found no intact checkpoint in {manager.root}:",
+                *(line.removeprefix("warning: ") for line in passed_over),
+                "restore one (from a copy) or start over with checkpoint.resume=none",
+            ]
+        )
+    return None, []
 
 
-def position_warning(saved: dict[str, Any], current: dict[str, Any]) -> str | None:
-    """The data position of a checkpoint only means the same batches if the data order's
-    inputs are unchanged."""
-    changed = [k for k in ORDER_KEYS if saved.get(k) != current.get(k)]
-    if not changed:
-        return None
-    return (
-        f"warning: {', '.join(changed)} changed since the checkpoint was saved; resuming at the same "
-        "micro-batch index, but the batches from here on differ from the original run's"
-    )
+# -- Resuming with a changed recipe ------------------------------------------------------------
+
+WORLD_SIZE = "world size"  # not a recipe key: the number of processes, compared like one
+
+
+@dataclass(frozen=True)
+class _Compared:
+    """What a rule that depends on more than one key sees: both recipes (flattened, with the
+    world size) and both checkpoint formats."""
+
+    saved: dict[str, Any]
+    current: dict[str, Any]
+    saved_format: str
+    current_format: str
+
+
+def _rows_per_position(c: _Compared) -> str | None:
+    rows = [d.get("training.micro_batch_size", 0) * d.get(WORLD_SIZE, 1) for d in (c.saved, c.current)]
+    if rows[0] != rows[1]:
+        return (
+            f"micro_batch_size × world size goes from {rows[0]} to {rows[1]} rows, so the saved data position "
+            "would name other batches (keep the product: e.g. twice the micro-batch on half the processes)"
+        )
+    if c.saved.get(WORLD_SIZE) != c.current.get(WORLD_SIZE) and c.saved_format == "deepspeed":
+        return (
+            "a DeepSpeed ZeRO checkpoint holds one partition per rank; launch as many processes as saved it"
+        )
+    return None
+
+
+def _same_format(c: _Compared) -> str | None:
+    if c.saved_format != c.current_format:
+        return (
+            f"the checkpoint is in the {c.saved_format!r} format, which this strategy does not read "
+            f"(it reads {c.current_format!r})"
+        )
+    return None
+
+
+_APPLY = None
+_ORDER = "the data order depends on it: the saved position would name other batches"
+_PRECISION = "the weights and optimizer state were saved for another precision"
+# Recipe key (or section) → None: applied; a string: refused, and why; a function of both
+# recipes: None or why. The most specific entry wins; "" is every key the table does not name.
+RESUME_RULES: dict[str, str | Callable[[_Compared], str | None] | None] = {
+    "": "not known to be safe to change on resume",
+    "name": _APPLY,
+    "description": _APPLY,
+    "output_dir": _APPLY,
+    "seed": _ORDER,
+    "model": "the checkpoint holds the weights of the saved model; another architecture or source cannot take them",
+    "model.attn_implementation": _APPLY,
+    "plugins": _APPLY,
+    "tokenizer": "other tokens make other rows: the saved position would name other batches",
+    "data": _ORDER,
+    **{
+        f"training.{key}": _APPLY
+        for key in (
+            "epochs",
+            "max_steps",
+            "gradient_accumulation_steps",
+            "lr",
+            "lr_schedule",
+            "warmup_steps",
+            "min_lr_ratio",
+            "weight_decay",
+            "adam_betas",
+            "adam_eps",
+            "max_grad_norm",
+            "activation_checkpointing",
+            "compile",
+            "eval_every",
+            "eval_max_batches",
+            "on_nonfinite",
+            "max_skipped_steps",
+            "max_consecutive_skipped_steps",
+            "device",
+        )
+    },
+    "training.micro_batch_size": _rows_per_position,
+    WORLD_SIZE: _rows_per_position,
+    "training.precision": _PRECISION,
+    "kernels": _APPLY,
+    "parallel.strategy": _same_format,
+    "parallel.fsdp.reshard_after_forward": _APPLY,
+    "parallel.fsdp.cpu_offload": _APPLY,
+    "parallel.fsdp.mixed_precision": _PRECISION,
+    "parallel.deepspeed": "a ZeRO checkpoint loads only into the DeepSpeed configuration that saved it",
+    "logging": _APPLY,
+    "checkpoint": _APPLY,
+}
+
+
+def _rule_for(key: str):
+    parts = key.split(".")
+    for n in range(len(parts), -1, -1):
+        prefix = ".".join(parts[:n])
+        if prefix in RESUME_RULES:
+            return RESUME_RULES[prefix]
+    raise AssertionError("RESUME_RULES has a default entry")
+
+
+def _flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in mapping.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, dotted + "."))
+        else:
+            flat[dotted] = list(value) if isinstance(value, tuple) else value
+    return flat
+
+
+def _saved_recipe(recipe_yaml: str) -> dict[str, Any]:
+    """The saved recipe as the current schema reads it, so keys added since it was saved
+    compare at their defaults; as written when the current schema no longer reads it."""
+    raw = yaml.safe_load(recipe_yaml) or {}
+    try:
+        return Recipe.model_validate(raw).model_dump(mode="json")
+    except ValidationError:
+        return raw
+
+
+_ABSENT = object()
+
+
+def _show(value: Any) -> str:
+    """A value as the log and the errors write it: 2e-05, 'cosine', [0.9, 0.95], null."""
+    if value is _ABSENT:
+        return "(absent)"
+    return "null" if value is None else repr(value)
+
+
+def recipe_changes(
+    recipe_yaml: str,
+    recipe: Recipe,
+    *,
+    saved_world_size: int,
+    world_size: int,
+    saved_format: str,
+    current_format: str,
+) -> tuple[list[str], list[str]]:
+    """Compare the recipe a checkpoint was saved with (`recipe_yaml`) with the current one, key
+    by key, by `RESUME_RULES`. Returns (log lines of the applied changes, refusal lines)."""
+    saved = _flatten(_saved_recipe(recipe_yaml)) | {WORLD_SIZE: saved_world_size}
+    current = _flatten(recipe.model_dump(mode="json")) | {WORLD_SIZE: world_size}
+    both = _Compared(saved, current, saved_format, current_format)
+    applied, refused = [], []
+    for key in [*current, *(k for k in saved if k not in current)]:
+        before, after = saved.get(key, _ABSENT), current.get(key, _ABSENT)
+        if before == after:
+            continue
+        rule = _rule_for(key)
+        reason = rule(both) if callable(rule) else rule
+        change = f"{key} {_show(before)} → {_show(after)}"
+        if reason is None:
+            applied.append(f"resume: {change} (applied)")
+        else:
+            refused.append(
+                f"{key}: {_show(before)} → {_show(after)} since the checkpoint was saved; a resume cannot change "
+                f"it: {reason}. Set it back, or start over with checkpoint.resume=none or another output_dir"
+            )
+    return applied, refused
 
 
 @dataclass
@@ -57,29 +280,74 @@ class Resumed:
     step: int
     epoch: int
     batch_index: int
+    skipped_steps: int
     message: str
 
 
+# How torch and torch.distributed.checkpoint word a state dict that does not fit the model or
+# optimizer it is loaded into (a damaged file reads otherwise and is reported as such).
+_MISMATCH = (
+    "size mismatch",
+    "missing key",
+    "unexpected key",
+    "doesn't match the size of optimizer's group",
+    "different number of parameter groups",
+)
+
+
+def _load_state(saved, runtime: Runtime, model, optimizer) -> None:
+    """`runtime.load_state`, with a state dict that does not fit this run's model refused in
+    one line naming the first mismatch (the recipe comparison catches the usual causes first)."""
+    try:
+        runtime.load_state(saved, model, optimizer)
+    except RecipeError:
+        raise
+    except (RuntimeError, ValueError, KeyError) as e:
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        first = next((line for line in lines if any(m in line.lower() for m in _MISMATCH)), None)
+        if first is None:
+            raise
+        raise RecipeError(
+            [
+                f"checkpoint.resume: {saved.path} does not fit this run's model or optimizer ({first}); resume "
+                "with the model.* and plugins the checkpoint was saved with, or start over with checkpoint.resume=none"
+            ]
+        ) from e
+
+
 def resume(
-    path: Path, runtime: Runtime, model, optimizer, scheduler, order: dict, total_steps: int
+    path: Path, runtime: Runtime, model, optimizer, scheduler, recipe: Recipe, total_steps: int
 ) -> Resumed:
-    """Load checkpoint `path` into the wrapped model, optimizer and schedule (every rank)."""
+    """Load checkpoint `path` into the wrapped model, optimizer and schedule (every rank), after
+    checking that `recipe` changes nothing the checkpoint cannot honour; the optimizer's
+    hyper-parameters and the lr are then the current recipe's (`recipe_changes`)."""
     try:
         saved = load_checkpoint(path, runtime.rank)
     except ValueError as e:
         raise RecipeError([f"checkpoint.resume: {e}"]) from None
-    runtime.load_state(saved, model, optimizer)
+    applied, refused = recipe_changes(
+        saved.recipe_yaml,
+        recipe,
+        saved_world_size=saved.world_size,
+        world_size=runtime.world_size,
+        saved_format=saved.format,
+        current_format=runtime.checkpoint_format,
+    )
+    if refused:
+        raise RecipeError(refused, f"resuming {saved.path}")
+    try:
+        _load_state(saved, runtime, model, optimizer)
+    except DamagedCheckpoint as e:  # a file torch cannot read (a checkpoint without a manifest)
+        raise RecipeError([f"checkpoint.resume: {e}"]) from None
     scheduler.load_state_dict(saved.scheduler)
+    apply_hyperparameters(optimizer, scheduler, recipe.training)
     if saved.rng is not None:  # None: this rank did not exist in the saving job
         restore_rng_state(saved.rng)
     step, epoch, batch_index = saved.step, saved.state["epoch"], saved.state["batch_index"]
-    message = f"resumed from {saved.path} (step {step}, epoch {epoch}, micro-batch {batch_index})"
-    warning = position_warning(saved.state.get("order", {}), order)
-    if warning:
-        message += "\n" + warning
+    lines = [f"resumed from {saved.path} (step {step}, epoch {epoch}, micro-batch {batch_index})", *applied]
     if step >= total_steps:
-        message += (
-            f"\nthe run is already complete ({step} of {total_steps} steps); to train again, set a new "
+        lines.append(
+            f"the run is already complete ({step} of {total_steps} steps); to train again, set a new "
             "output_dir or checkpoint.resume=none"
         )
-    return Resumed(step, epoch, batch_index, message)
+    return Resumed(step, epoch, batch_index, saved.state.get("skipped_steps", 0), "\n".join(lines))

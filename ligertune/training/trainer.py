@@ -28,9 +28,13 @@ Precision (``training.precision``)
 Non-finite loss or gradient norm (``training.on_nonfinite``)
     ``stop``: the gradients are dropped, a checkpoint of the last good state is saved
     (weights, optimizer and schedule from before the failing step, and the data position of
-    the failing step, so a resume with a lower lr replays it), and `TrainingError` names the
-    step. ``skip``: the gradients are dropped and the optimizer step is skipped; the step
-    still counts (the schedule and the data move on), so a run that keeps failing ends.
+    the failing step, so a resume with a lower lr replays it: a resume applies the recipe's
+    new lr, see `ligertune.training.resume`), and `TrainingError` names the step. ``skip``: the
+    gradients are dropped and the optimizer step is skipped; the step still counts (the
+    schedule and the data move on). Skipping has limits (``training.max_skipped_steps`` in the
+    run, resumes included, ``max_consecutive_skipped_steps`` in a row): a run that keeps
+    failing would otherwise finish and export a model trained on a fraction of its steps, so
+    the step over a limit stops the run as ``stop`` does.
 
 Stopping early
     SIGTERM/SIGINT (`ligertune.training.signals`) or the `on_step_end` hook returning True:
@@ -58,6 +62,7 @@ from ligertune.errors import RecipeError, TrainingError
 from ligertune.models.build import build_model, check_vocab
 from ligertune.objectives import build_objective
 from ligertune.run.checkpoint import CheckpointManager
+from ligertune.run.lock import RunLock
 from ligertune.run.metrics import (
     MetricsLogger,
     RunSummary,
@@ -110,6 +115,7 @@ class Trainer:
         self.recipe, self.training, self.on_step_end = recipe, recipe.training, on_step_end
         self.runtime: Runtime | None = None
         self.metrics: MetricsLogger | None = None
+        self.lock: RunLock | None = None
         self.log: Callable[[str], None] = lambda message: None  # other ranks stay quiet
 
     # -- setup -------------------------------------------------------------------------------
@@ -120,6 +126,8 @@ class Trainer:
         if problems:
             raise RecipeError(problems)
         self.runtime = create_runtime(recipe)
+        # Before anything is written: a second run on this output_dir stops here (ligertune.run.lock).
+        self.lock = RunLock.acquire(recipe.run_dir) if self.runtime.is_main else None
         self.device = self.runtime.device
         torch.manual_seed(recipe.seed)
         self._setup_data()
@@ -177,7 +185,8 @@ class Trainer:
         self.checkpoints = CheckpointManager(recipe.run_dir / "checkpoints", recipe.checkpoint.keep_last)
         self.order = data_order(recipe, runtime.world_size)
         self.step, self.epoch, self.batch_index = 0, 0, 0
-        self.resume_from = resume_path(recipe, self.checkpoints)
+        self.skipped = 0  # steps skipped in the run (on_nonfinite=skip), carried over by a resume
+        self.resume_from, passed_over = resume_path(recipe, self.checkpoints)  # damaged ones passed over
         self.resumed_message = None
         if self.resume_from is not None:
             resumed = resume(
@@ -186,11 +195,12 @@ class Trainer:
                 self.model,
                 self.optimizer,
                 self.scheduler,
-                self.order,
+                recipe,
                 self.total_steps,
             )
             self.step, self.epoch, self.batch_index = resumed.step, resumed.epoch, resumed.batch_index
-            self.resumed_message = resumed.message
+            self.skipped = resumed.skipped_steps
+            self.resumed_message = "\n".join([*passed_over, resumed.message])
         self.last_saved = self.resume_from if self.step > 0 else None
 
     def _setup_metrics(self) -> None:
@@ -245,7 +255,7 @@ class Trainer:
             self.loader, self.epoch, self.batch_index, None if training.max_steps else training.epochs
         )
         self.window_losses: list[float] = []
-        self.skipped = 0
+        self.consecutive_skipped = 0
         self.last_loss = self.eval_loss = None
         stop_signal = None
         started = time.perf_counter()
@@ -302,6 +312,7 @@ class Trainer:
         if finite:
             self.last_loss = loss
             self.window_losses.append(loss)
+            self.consecutive_skipped = 0
         epoch_progress = self.epoch + self.batch_index / self.loader.batches_per_epoch
         return StepRecord(
             self.step,
@@ -317,21 +328,42 @@ class Trainer:
         )
 
     def _nonfinite(self, loss: float, norm: float, position_before: tuple[int, int]) -> None:
-        """A step whose loss or gradient norm is NaN/inf: stop with the last good state saved, or skip."""
+        """A step whose loss or gradient norm is NaN/inf: stop with the last good state saved, or
+        skip it, within the skip limits. Every rank sees the same loss and norm (reduced), so
+        every rank decides the same and takes part in the save."""
         what = f"loss {loss} and grad norm {norm}" if not math.isfinite(loss) else f"grad norm {norm}"
-        if self.training.on_nonfinite == "stop":
-            # Weights, optimizer and schedule are still those of the last good step.
-            path = self.last_saved if self.last_saved == self.checkpoints.path_for(self.step) else None
-            path = path or self._save(self.step, position_before)
-            raise TrainingError(
-                f"non-finite {what} at step {self.step + 1}; stopped. The last good state (step {self.step}) "
-                f"is saved in {path}. Lower training.lr, check the data, or set "
-                "training.on_nonfinite=skip to skip such steps"
+        at = self.step + 1
+        training = self.training
+        if training.on_nonfinite == "stop":
+            self._stop_nonfinite(
+                f"non-finite {what} at step {at}; stopped",
+                "Lower training.lr (a resume applies it), check the data, or set training.on_nonfinite=skip "
+                "to skip such steps",
+                position_before,
             )
-        self.skipped += 1
-        self.log(
-            f"step {self.step + 1}: non-finite {what}; skipped the optimizer step ({self.skipped} so far)"
-        )
+        total, in_a_row = self.skipped + 1, self.consecutive_skipped + 1
+        for key, count, limit, counted in (
+            ("max_skipped_steps", total, training.max_skipped_steps, "in the run"),
+            ("max_consecutive_skipped_steps", in_a_row, training.max_consecutive_skipped_steps, "in a row"),
+        ):
+            if limit is not None and count > limit:
+                self._stop_nonfinite(
+                    f"non-finite {what} at step {at}: {count} steps skipped {counted} ({total} in the run, "
+                    f"{in_a_row} in a row), more than training.{key}={limit}; stopped",
+                    f"Lower training.lr (a resume applies it) or check the data; raise training.{key} to "
+                    "tolerate more skipped steps",
+                    position_before,
+                )
+        self.skipped, self.consecutive_skipped = total, in_a_row
+        self.log(f"step {at}: non-finite {what}; skipped the optimizer step ({self.skipped} so far)")
+
+    def _stop_nonfinite(self, what: str, advice: str, position_before: tuple[int, int]) -> None:
+        """Save the state from before the failing step (weights and optimizer untouched by it and
+        by any skipped step; the data position of the failing step, so a resume replays it) and
+        raise TrainingError."""
+        path = self.last_saved if self.last_saved == self.checkpoints.path_for(self.step) else None
+        path = path or self._save(self.step, position_before)
+        raise TrainingError(f"{what}. The last good state (step {self.step}) is saved in {path}. {advice}")
 
     def _after_step(self, record: StepRecord) -> None:
         """Metrics, periodic evaluation and periodic checkpoint after step `record.step`."""
@@ -395,7 +427,12 @@ class Trainer:
             write_state=lambda directory: self.runtime.save_state(directory, self.model, self.optimizer),
             format=self.runtime.checkpoint_format,
             scheduler=self.scheduler.state_dict(),
-            state={"epoch": position[0], "batch_index": position[1], "order": self.order},
+            state={
+                "epoch": position[0],
+                "batch_index": position[1],
+                "order": self.order,
+                "skipped_steps": self.skipped,
+            },
             recipe_yaml=recipe_to_yaml(self.recipe),
         )
 
@@ -450,6 +487,8 @@ class Trainer:
             self.metrics.close()
         if self.runtime is not None:
             self.runtime.shutdown()
+        if self.lock is not None:
+            self.lock.release()
 
 
 def train(recipe: Recipe, *, on_step_end: Callable[[StepRecord], bool | None] | None = None) -> TrainResult:

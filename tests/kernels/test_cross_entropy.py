@@ -83,11 +83,16 @@ def _run(fn, logits, target, upstream=None, **kwargs):
     return out, x.grad
 
 
-def _assert_within_4_bf16_ulps(grad, ref):
-    """The bound for a bf16 gradient rounded twice (forward, then times a non-unit upstream)."""
-    ref = ref.double()
-    bad = (grad.double() - ref).abs() > 2.0**-6 * (ref.abs() + ref.abs().mean())
-    assert not bad.any(), f"grad: {int(bad.sum())} of {bad.numel()} elements outside 4 bf16 ulps"
+def _assert_within_4_bf16_ulps(grad, ref, rows_per_chunk: int = 1024):
+    """The bound for a bf16 gradient rounded twice (forward, then times a non-unit upstream).
+    Compared in row chunks: float64 copies of an 8192 × 256000 gradient (16 GiB each) would not
+    fit an 80 GB GPU next to the test's own tensors."""
+    scale = sum(chunk.double().abs().sum() for chunk in ref.split(rows_per_chunk)) / ref.numel()
+    bad = 0
+    for g, r in zip(grad.split(rows_per_chunk), ref.split(rows_per_chunk), strict=True):
+        r = r.double()
+        bad += int(((g.double() - r).abs() > 2.0**-6 * (r.abs() + scale)).sum())
+    assert bad == 0, f"grad: {bad} of {ref.numel()} elements outside 4 bf16 ulps"
 
 
 def _upstream(reduction, n_rows):
