@@ -17,7 +17,8 @@ The kernels are the RMSNorm row kernels of ``rms_norm.py`` with their ``CENTER``
 subtracted before the variance, the extra ``mean(dn)`` term in dx) and a bias; they share its
 launch configuration, persistent backward grid and fp32 per-program dw/db partials. The variance
 is computed two-pass from the row held in registers (no Welford needed: the row is never
-re-read), which is also the numerically safer form.
+re-read), which is also the numerically safer form. Like RMSNorm's, the launches are custom
+ops (``ligertune::layer_norm_fwd``, ``ligertune::row_norm_bwd``) that torch.compile sees as nodes.
 """
 
 from __future__ import annotations
@@ -27,27 +28,45 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._utils import use_triton
-from .rms_norm import _row_norm_backward, _row_norm_forward, check_norm_args
+from .rms_norm import _row_norm_bwd, _row_norm_forward, check_norm_args
 
 
-class _LayerNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        y, _, x2d, mean, rstd = _row_norm_forward(
-            x, None, weight, bias, eps, 0.0, center=True, llama_cast=False, out_dtype=x.dtype
-        )
-        ctx.save_for_backward(x2d, weight, mean, rstd)
-        ctx.x_shape = x.shape
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y
+@torch.library.custom_op("ligertune::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, mean, rstd)``; the backward is ``ligertune::row_norm_bwd`` (``rms_norm.py``)."""
+    y, _, _, mean, rstd = _row_norm_forward(
+        x, None, weight, bias, eps, 0.0, center=True, llama_cast=False, out_dtype=x.dtype
+    )
+    return y, mean, rstd
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2d, weight, mean, rstd = ctx.saved_tensors
-        compute_dw = weight is not None and ctx.needs_input_grad[1]
-        compute_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        dx, dw, db = _row_norm_backward(dy, x2d, weight, mean, rstd, 0.0, False, compute_dw, compute_db)
-        return dx.view(ctx.x_shape), dw, db.to(ctx.bias_dtype) if compute_db else None, None
+
+@_layer_norm_fwd.register_fake
+def _(x, weight, bias, eps):
+    stats = x.new_empty(x.numel() // x.shape[-1], dtype=torch.float32)
+    return x.new_empty(x.shape), stats, torch.empty_like(stats)
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    _, mean, rstd = output
+    ctx.mark_non_differentiable(mean, rstd)
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.bias_dtype = bias.dtype if bias is not None else None
+
+
+def _layer_norm_backward(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    compute_dw = weight is not None and ctx.needs_input_grad[1]
+    compute_db = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+    dx, *rest = _row_norm_bwd(dy, x, weight, mean, rstd, None, 0.0, False, compute_dw, compute_db)
+    dw = rest.pop(0) if compute_dw else None
+    db = rest.pop(0).to(ctx.bias_dtype) if compute_db else None
+    return dx, dw, db, None
+
+
+_layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup)
 
 
 def layer_norm_reference(
@@ -73,7 +92,7 @@ def layer_norm(
     params = [p for p in (weight, bias) if p is not None]
     if not use_triton(x, *params):
         return layer_norm_reference(x, weight, bias, eps)
-    return _LayerNormFunction.apply(x, weight, bias, float(eps))
+    return _layer_norm_fwd(x, weight, bias, float(eps))[0]
 
 
 class LayerNorm(nn.Module):

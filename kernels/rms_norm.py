@@ -52,8 +52,14 @@ i.e. read x, write y; read x and dy, write dx):
 * rstd (and mean for LayerNorm) are saved from the forward as ``[rows]`` fp32.
 * Optional in-place ``dx`` written over ``dy``'s buffer (saves an allocation). Only safe when
   nothing else reads that ``dy`` afterwards; it falls back to a fresh buffer when ``dy`` is not a
-  plain contiguous tensor of ``x``'s dtype.
+  plain contiguous tensor of ``x``'s dtype, and under torch.compile (see "Custom ops" below).
 * Offsets switch to int64 when an offset can pass 2³¹ − 1. No host synchronisation.
+
+Custom ops. The launches are registered as ``torch.library`` custom ops (``ligertune::rms_norm_fwd``,
+``add_rms_norm_fwd``, ``row_norm_bwd``, ``rms_norm_bwd_``; LayerNorm adds ``layer_norm_fwd``)
+with fake implementations and autograd formulas, so torch.compile treats each as one node and
+never traces the launch code (lru-cached configs, device queries, Triton's launcher). The
+functional API around them is plain Python on shapes and dtypes, which dynamo traces.
 """
 
 from __future__ import annotations
@@ -525,64 +531,166 @@ def _output_dtype(x: torch.Tensor, weight: torch.Tensor | None, casting_mode: st
 
 
 # --------------------------------------------------------------------------------------------
-# Autograd functions
+# Custom ops and their autograd (shared with layer_norm.py)
 # --------------------------------------------------------------------------------------------
+# Each launch is a ``torch.library.custom_op`` in the ``ligertune`` namespace: torch.compile sees
+# one opaque node with a fake implementation (shapes, dtypes, strides) and an autograd formula,
+# never the launch code (whose cached configs and device queries dynamo cannot trace). Ops never
+# return an alias of an input; the in-place backward is a separate op that declares the buffer
+# it overwrites, and it is used in eager mode only (docs/perf-notes.md, "Custom ops").
 
 
-def _rms_forward(ctx, x, residual, weight, eps, offset, casting_mode):
-    """Forward of (add+)RMSNorm: returns ``(y, s)`` (``s`` = x + residual, or x) and saves on
-    ``ctx`` what ``_rms_backward`` needs."""
-    llama_cast = casting_mode == "llama"
-    y, s, s2d, _, rstd = _row_norm_forward(
-        x, residual, weight, None, eps, offset, False, llama_cast, _output_dtype(x, weight, casting_mode)
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+@torch.library.custom_op("ligertune::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd(
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float, casting_mode: str, in_place: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)``. ``in_place`` is not used here: it is an input so that the autograd formula
+    (which sees the op's inputs) knows whether the backward may overwrite dy."""
+    out_dtype = _output_dtype(x, weight, casting_mode)
+    y, _, _, _, rstd = _row_norm_forward(
+        x, None, weight, None, eps, offset, False, casting_mode == "llama", out_dtype
     )
-    ctx.save_for_backward(s2d, weight, rstd)
-    ctx.offset, ctx.llama_cast, ctx.x_shape = offset, llama_cast, x.shape
-    return y, s
+    return y, rstd
 
 
-def _rms_backward(ctx, dy, weight_index: int, **kwargs):
-    """Backward of ``_rms_forward``: ``(ds in the input's shape, dw or None)``. ``weight_index`` is
-    the weight's position among the forward's inputs; ``kwargs`` go to ``_row_norm_backward``."""
-    s2d, weight, rstd = ctx.saved_tensors
-    compute_dw = weight is not None and ctx.needs_input_grad[weight_index]
-    ds, dw, _ = _row_norm_backward(
-        dy, s2d, weight, None, rstd, ctx.offset, ctx.llama_cast, compute_dw, False, **kwargs
+@_rms_norm_fwd.register_fake
+def _(x, weight, eps, offset, casting_mode, in_place):
+    y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, casting_mode))
+    return y, x.new_empty(_rows(x), dtype=torch.float32)
+
+
+@torch.library.custom_op("ligertune::add_rms_norm_fwd", mutates_args=())
+def _add_rms_norm_fwd(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    offset: float,
+    casting_mode: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, s, rstd)`` with ``s = x + residual``."""
+    out_dtype = _output_dtype(x, weight, casting_mode)
+    y, s, _, _, rstd = _row_norm_forward(
+        x, residual, weight, None, eps, offset, False, casting_mode == "llama", out_dtype
     )
-    return ds.view(ctx.x_shape), dw
+    return y, s, rstd
 
 
-class _RMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps, offset, casting_mode, in_place):
-        y, _ = _rms_forward(ctx, x, None, weight, eps, offset, casting_mode)
-        ctx.in_place = in_place
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx, dw = _rms_backward(ctx, dy, 1, in_place=ctx.in_place)
-        return dx, dw, None, None, None, None
+@_add_rms_norm_fwd.register_fake
+def _(x, residual, weight, eps, offset, casting_mode):
+    y = x.new_empty(x.shape, dtype=_output_dtype(x, weight, casting_mode))
+    return y, x.new_empty(x.shape), x.new_empty(_rows(x), dtype=torch.float32)
 
 
-class _AddRMSNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps, offset, casting_mode):
-        y, s = _rms_forward(ctx, x, residual, weight, eps, offset, casting_mode)
-        # Unused outputs get None gradients instead of materialised zeros (no extra reads).
-        ctx.set_materialize_grads(False)
-        return y, s
+@torch.library.custom_op("ligertune::row_norm_bwd", mutates_args=())
+def _row_norm_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    mean: torch.Tensor | None,
+    rstd: torch.Tensor,
+    dres: torch.Tensor | None,
+    offset: float,
+    llama_cast: bool,
+    compute_dw: bool,
+    compute_db: bool,
+) -> list[torch.Tensor]:
+    """``[dx (x's shape), dw if compute_dw, db (fp32) if compute_db]``: a list, because which
+    gradients exist is known from the flags (the fake implementation returns the same ones)."""
+    dx, dw, db = _row_norm_backward(
+        dy, _as_rows(x, x.shape[-1]), weight, mean, rstd, offset, llama_cast, compute_dw, compute_db, dres
+    )
+    return [dx.view(x.shape), *(g for g in (dw, db) if g is not None)]
 
-    @staticmethod
-    def backward(ctx, dy, ds):
-        if dy is None:
-            # Only new_residual was used: its gradient passes straight to both inputs; the weight
-            # had no effect (None reads as zero).
-            return ds, ds, None, None, None, None
-        dsum, dw = _rms_backward(ctx, dy, 2, dres=ds)
-        # s = x + residual: both inputs receive the same gradient (autograd copies before any
-        # in-place accumulation into a shared tensor).
-        return dsum, dsum, dw, None, None, None
+
+@_row_norm_bwd.register_fake
+def _(dy, x, weight, mean, rstd, dres, offset, llama_cast, compute_dw, compute_db):
+    grads = [x.new_empty(x.shape)]
+    if compute_dw:
+        grads.append(weight.new_empty(weight.shape))
+    if compute_db:
+        grads.append(x.new_empty(x.shape[-1], dtype=torch.float32))
+    return grads
+
+
+@torch.library.custom_op("ligertune::rms_norm_bwd_", mutates_args=("dy",))
+def _rms_norm_bwd_(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    offset: float,
+    llama_cast: bool,
+    compute_dw: bool,
+) -> torch.Tensor:
+    """RMSNorm backward writing dx over ``dy`` (contiguous, of x's dtype). Returns dw, or an empty
+    tensor without ``compute_dw`` (functionalization, which AOTAutograd applies to mutating ops,
+    takes no list outputs from them)."""
+    _, dw, _ = _row_norm_backward(
+        dy, _as_rows(x, x.shape[-1]), weight, None, rstd, offset, llama_cast, compute_dw, False, in_place=True
+    )
+    return dw if compute_dw else x.new_empty(0)
+
+
+@_rms_norm_bwd_.register_fake
+def _(dy, x, weight, rstd, offset, llama_cast, compute_dw):
+    return weight.new_empty(weight.shape) if compute_dw else x.new_empty(0)
+
+
+def _rms_norm_setup(ctx, inputs, output):
+    x, weight, _, offset, casting_mode, in_place = inputs
+    _, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.offset, ctx.llama_cast, ctx.in_place = offset, casting_mode == "llama", in_place
+
+
+def _rms_norm_backward(ctx, dy, _):
+    x, weight, rstd = ctx.saved_tensors
+    compute_dw = weight is not None and ctx.needs_input_grad[1]
+    # Overwriting dy needs a dense buffer of dx's dtype (a broadcast dy would make rows alias).
+    if ctx.in_place and dy.dtype == x.dtype and dy.is_contiguous():
+        dw = _rms_norm_bwd_(dy, x, weight, rstd, ctx.offset, ctx.llama_cast, compute_dw)
+        dx = dy
+    else:
+        dx, *dw = _row_norm_bwd(
+            dy, x, weight, None, rstd, None, ctx.offset, ctx.llama_cast, compute_dw, False
+        )
+        dw = dw[0] if compute_dw else None
+    return dx, dw if compute_dw else None, None, None, None, None
+
+
+_rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+
+def _add_rms_norm_setup(ctx, inputs, output):
+    _, _, weight, _, offset, casting_mode = inputs
+    _, s, rstd = output
+    ctx.mark_non_differentiable(rstd)
+    # Unused outputs get None gradients instead of materialised zeros (no extra reads).
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(s, weight, rstd)
+    ctx.offset, ctx.llama_cast = offset, casting_mode == "llama"
+
+
+def _add_rms_norm_backward(ctx, dy, ds, _):
+    if dy is None:
+        # Only new_residual was used: its gradient passes straight to both inputs; the weight
+        # had no effect (None reads as zero).
+        return ds, ds, None, None, None, None
+    s, weight, rstd = ctx.saved_tensors
+    compute_dw = weight is not None and ctx.needs_input_grad[2]
+    dsum, *dw = _row_norm_bwd(dy, s, weight, None, rstd, ds, ctx.offset, ctx.llama_cast, compute_dw, False)
+    # s = x + residual: both inputs receive the same gradient (autograd copies before any
+    # in-place accumulation into a shared tensor).
+    return dsum, dsum, dw[0] if compute_dw else None, None, None, None
+
+
+_add_rms_norm_fwd.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup)
 
 
 # --------------------------------------------------------------------------------------------
@@ -660,7 +768,9 @@ def rms_norm(
     _check_args(x, weight, eps, offset, casting_mode)
     if not use_triton(x, *([weight] if weight is not None else [])):
         return rms_norm_reference(x, weight, eps, offset, casting_mode)
-    return _RMSNormFunction.apply(x, weight, float(eps), float(offset), casting_mode, in_place)
+    # Under torch.compile the backward never overwrites dy: the compiled graph owns its buffers.
+    in_place = in_place and not torch.compiler.is_compiling()
+    return _rms_norm_fwd(x, weight, float(eps), float(offset), casting_mode, in_place)[0]
 
 
 def add_rms_norm(
@@ -681,7 +791,8 @@ def add_rms_norm(
     _check_args(x, weight, eps, offset, casting_mode)
     if not use_triton(x, residual, *([weight] if weight is not None else [])):
         return add_rms_norm_reference(x, residual, weight, eps, offset, casting_mode)
-    return _AddRMSNormFunction.apply(x, residual, weight, float(eps), float(offset), casting_mode)
+    y, s, _ = _add_rms_norm_fwd(x, residual, weight, float(eps), float(offset), casting_mode)
+    return y, s
 
 
 class RMSNorm(nn.Module):

@@ -46,6 +46,12 @@ for callers whose gradients nobody else reads, e.g. an attention block's q/k). T
 never in place: its q/k are views into projection outputs, and autograd's bookkeeping for an
 in-place change to a view (CopySlices) would copy the whole projection gradient in backward,
 costing more traffic than the 160 MiB it saves (at the benchmark shape) is worth.
+
+torch.compile. The launches are ``torch.library`` custom ops (``ligertune::rope_fwd``,
+``rope_bwd``, and ``rope_bwd_`` for the in-place backward, which declares that it mutates the
+gradients) with fake implementations and an autograd formula: dynamo records one node per call
+and never traces the launch code. Under compile ``in_place`` is ignored (the compiled graph
+owns its buffers, and the fake tensors it traces with have no addresses to check for aliasing).
 """
 
 from __future__ import annotations
@@ -301,21 +307,68 @@ def _overwritable(*tensors: torch.Tensor) -> bool:
     return all(end <= next_start for (_, end), (next_start, _) in pairwise(spans))
 
 
-class RoPEFunction(torch.autograd.Function):
-    """Autograd wrapper: forward rotates by θ, backward by −θ (see the module docstring)."""
+# Custom ops (torch.compile sees each as one node with a fake implementation; see the module
+# docstring). Ops never return an alias of an input: the in-place backward is its own op that
+# declares the gradients it overwrites, and runs in eager mode only.
 
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, heads_dim: int, in_place: bool):
-        ctx.save_for_backward(cos, sin)
-        ctx.heads_dim, ctx.in_place = heads_dim, in_place
-        return _rope_launch(q, k, cos, sin, heads_dim, backward=False)
 
-    @staticmethod
-    def backward(ctx, dq_embed, dk_embed):
-        cos, sin = ctx.saved_tensors
-        in_place = ctx.in_place and _overwritable(dq_embed, dk_embed)
-        dq, dk = _rope_launch(dq_embed, dk_embed, cos, sin, ctx.heads_dim, backward=True, in_place=in_place)
-        return dq, dk, None, None, None, None
+@torch.library.custom_op("ligertune::rope_fwd", mutates_args=())
+def _rope_fwd(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_dim: int, in_place: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q_embed, k_embed)``. ``in_place`` is not used here: it is an input so that the autograd
+    formula (which sees the op's inputs) knows whether the backward may overwrite the gradients."""
+    return _rope_launch(q, k, cos, sin, heads_dim, backward=False)
+
+
+@_rope_fwd.register_fake
+def _(q, k, cos, sin, heads_dim, in_place):
+    return torch.empty_like(q), torch.empty_like(k)  # as `_rope_launch` allocates them
+
+
+@torch.library.custom_op("ligertune::rope_bwd", mutates_args=())
+def _rope_bwd(
+    dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rope_launch(dq, dk, cos, sin, heads_dim, backward=True)
+
+
+@_rope_bwd.register_fake
+def _(dq, dk, cos, sin, heads_dim):
+    return torch.empty_like(dq), torch.empty_like(dk)
+
+
+@torch.library.custom_op("ligertune::rope_bwd_", mutates_args=("dq", "dk"))
+def _rope_bwd_(
+    dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads_dim: int
+) -> None:
+    """The backward rotation written over ``dq`` and ``dk`` (which must be `_overwritable`)."""
+    _rope_launch(dq, dk, cos, sin, heads_dim, backward=True, in_place=True)
+
+
+@_rope_bwd_.register_fake
+def _(dq, dk, cos, sin, heads_dim):
+    return None
+
+
+def _rope_setup(ctx, inputs, output):
+    _, _, cos, sin, heads_dim, in_place = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.heads_dim, ctx.in_place = heads_dim, in_place
+
+
+def _rope_backward(ctx, dq_embed, dk_embed):
+    """Rotate the gradients by −θ (module docstring)."""
+    cos, sin = ctx.saved_tensors
+    if ctx.in_place and _overwritable(dq_embed, dk_embed):
+        _rope_bwd_(dq_embed, dk_embed, cos, sin, ctx.heads_dim)
+        dq, dk = dq_embed, dk_embed
+    else:
+        dq, dk = _rope_bwd(dq_embed, dk_embed, cos, sin, ctx.heads_dim)
+    return dq, dk, None, None, None, None
+
+
+_rope_fwd.register_autograd(_rope_backward, setup_context=_rope_setup)
 
 
 def _check_inputs(q, k, cos, sin, unsqueeze_dim) -> int:
@@ -395,7 +448,9 @@ def apply_rotary_pos_emb(
     heads_dim = _check_inputs(q, k, cos, sin, unsqueeze_dim)
     if not use_triton(q, k, cos, sin):
         return rope_reference(q, k, cos, sin, unsqueeze_dim)
-    return RoPEFunction.apply(q, k, cos, sin, heads_dim, in_place)
+    # Under torch.compile the backward never overwrites the gradients: the graph owns its buffers.
+    in_place = in_place and not torch.compiler.is_compiling()
+    return _rope_fwd(q, k, cos, sin, heads_dim, in_place)
 
 
 def rope_reference(

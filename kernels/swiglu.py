@@ -146,6 +146,15 @@ def _as_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [r if r.stride(1) == 1 or r.shape[1] == 1 else r.contiguous() for r in rows]
 
 
+def _rows_in_place(t: torch.Tensor) -> bool:
+    """Whether `_as_rows` views `t` without a copy: contiguous, or rows of unit column stride whose
+    leading dimensions merge into one row stride (e.g. one half of a fused projection)."""
+    if t.is_contiguous():
+        return True
+    merged = all(t.stride(i) == t.stride(i + 1) * t.shape[i + 1] for i in range(t.dim() - 2))
+    return t.stride(-1) == 1 and merged
+
+
 def _needs_int64(rows: list[torch.Tensor], block: int) -> bool:
     """Whether offsets ``row * stride + col`` can pass int32 (masked lanes run a block past the end)."""
     n_rows, n_cols = rows[0].shape
@@ -171,32 +180,74 @@ def _launch(kernel, rows: list[torch.Tensor], activation: str) -> None:
     )
 
 
-class GatedActFunction(torch.autograd.Function):
-    """``act(gate) · up`` with a recomputing backward (module docstring)."""
+# Custom ops (one torch.compile node each; module docstring). The in-place backward is its own
+# op that declares the gate/up buffers it overwrites; ops never return an alias of an input.
 
-    @staticmethod
-    def forward(ctx, gate: torch.Tensor, up: torch.Tensor, activation: str, inplace_backward: bool):
-        out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        _launch(_gated_fwd_kernel, _as_rows(gate, up, out), activation)
-        ctx.save_for_backward(gate, up)
-        ctx.activation = activation
-        # Overwriting user-visible leaves (inputs, parameters) would corrupt them, and one buffer
-        # passed as both gate and up cannot hold both gradients.
-        ctx.inplace = inplace_backward and not (
-            gate.is_leaf or up.is_leaf or gate.data_ptr() == up.data_ptr()
-        )
-        return out
 
-    @staticmethod
-    def backward(ctx, dout: torch.Tensor):
-        gate, up = ctx.saved_tensors
-        dout_rows, gate_rows, up_rows = _as_rows(dout, gate, up)
-        if ctx.inplace:
-            dgate_rows, dup_rows = gate_rows, up_rows
-        else:
-            dgate_rows, dup_rows = torch.empty_like(gate_rows), torch.empty_like(up_rows)
-        _launch(_gated_bwd_kernel, [dout_rows, gate_rows, up_rows, dgate_rows, dup_rows], ctx.activation)
-        return dgate_rows.view(gate.shape), dup_rows.view(up.shape), None, None
+@torch.library.custom_op("ligertune::gated_act_fwd", mutates_args=())
+def _gated_act_fwd(
+    gate: torch.Tensor, up: torch.Tensor, activation: str, inplace_backward: bool
+) -> torch.Tensor:
+    """``act(gate) · up``, contiguous. ``inplace_backward`` is not used here: it is an input so
+    that the autograd formula (which sees the op's inputs) can read it."""
+    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    _launch(_gated_fwd_kernel, _as_rows(gate, up, out), activation)
+    return out
+
+
+@_gated_act_fwd.register_fake
+def _(gate, up, activation, inplace_backward):
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("ligertune::gated_act_bwd", mutates_args=())
+def _gated_act_bwd(
+    dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(∂L/∂gate, ∂L/∂up)``, contiguous, recomputing ``act(gate)``."""
+    dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    dup = torch.empty_like(dgate)
+    _launch(_gated_bwd_kernel, _as_rows(dout, gate, up, dgate, dup), activation)
+    return dgate, dup
+
+
+@_gated_act_bwd.register_fake
+def _(dout, gate, up, activation):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
+
+
+@torch.library.custom_op("ligertune::gated_act_bwd_", mutates_args=("gate", "up"))
+def _gated_act_bwd_(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
+    """The backward written over ``gate`` and ``up``: afterwards they hold their own gradients.
+    Both must be `_rows_in_place` (else the gradients would land in `_as_rows`'s copies)."""
+    dout_rows, gate_rows, up_rows = _as_rows(dout, gate, up)
+    _launch(_gated_bwd_kernel, [dout_rows, gate_rows, up_rows, gate_rows, up_rows], activation)
+
+
+@_gated_act_bwd_.register_fake
+def _(dout, gate, up, activation):
+    return None
+
+
+def _gated_act_setup(ctx, inputs, output):
+    gate, up, activation, inplace_backward = inputs
+    ctx.save_for_backward(gate, up)
+    ctx.activation = activation
+    # Overwriting user-visible leaves (inputs, parameters) would corrupt them, and one buffer
+    # passed as both gate and up cannot hold both gradients.
+    ctx.inplace = inplace_backward and not (gate.is_leaf or up.is_leaf or gate.data_ptr() == up.data_ptr())
+
+
+def _gated_act_backward(ctx, dout):
+    gate, up = ctx.saved_tensors
+    if ctx.inplace and _rows_in_place(gate) and _rows_in_place(up):
+        _gated_act_bwd_(dout, gate, up, ctx.activation)
+        return gate, up, None, None
+    dgate, dup = _gated_act_bwd(dout, gate, up, ctx.activation)
+    return dgate, dup, None, None
+
+
+_gated_act_fwd.register_autograd(_gated_act_backward, setup_context=_gated_act_setup)
 
 
 def _canonical_activation(activation: str) -> str:
@@ -230,7 +281,9 @@ def gated_act(
         raise ValueError(f"gate and up must be on one device, got {gate.device} and {up.device}")
     if not use_triton(gate, up):
         return _REFERENCES[canonical](gate, up)
-    return GatedActFunction.apply(gate, up, canonical, inplace_backward)
+    # Under torch.compile the backward never overwrites gate and up: the graph owns its buffers.
+    inplace_backward = inplace_backward and not torch.compiler.is_compiling()
+    return _gated_act_fwd(gate, up, canonical, inplace_backward)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool = False) -> torch.Tensor:

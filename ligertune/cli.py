@@ -6,37 +6,80 @@ Every command that reads a recipe validates it first; recipe problems print one 
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import sys
 from enum import Enum
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
+from ligertune import __version__
 from ligertune.config import load_recipe, recipe_to_yaml, shipped_recipes
+from ligertune.config.loading import resolve_recipe_path
 from ligertune.config.rules import model_problems
 from ligertune.errors import RecipeError
+from ligertune.run.loggers import configure_logging, make_console
 
 app = typer.Typer(
     name="ligertune",
     help="Fine-tune LLMs from YAML recipes with fused Triton kernels.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
 )
 recipes_app = typer.Typer(invoke_without_command=True)
 app.add_typer(recipes_app, name="recipes")
 
-console = Console()
-err_console = Console(stderr=True)
+# Wide when the output is not a terminal (a pipe, a log): rich would wrap and cut at 80 columns.
+console = make_console()
+err_console = make_console(stderr=True)
+# --quiet / --verbose, as the global options set it; `train` reapplies it on ranks other than 0.
+verbosity = "normal"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        console.print(f"ligertune {__version__}", markup=False, highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def global_options(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
+    quiet: bool = typer.Option(
+        False,
+        "--quiet",
+        "-q",
+        envvar="LIGERTUNE_QUIET",
+        help="Warnings, errors and the final summary only (train.log still gets everything).",
+    ),
+    verbose: bool = typer.Option(
+        False, "--verbose", "-v", envvar="LIGERTUNE_VERBOSE", help="Also the debug lines."
+    ),
+) -> None:
+    global verbosity
+    if quiet and verbose:
+        _print_error("--quiet and --verbose contradict each other; give one")
+        raise typer.Exit(2)
+    verbosity = "quiet" if quiet else "verbose" if verbose else "normal"
+    configure_logging(verbosity, console)
+    # Processes started from here (torchrun's ranks run `ligertune train`) inherit the choice.
+    if quiet:
+        os.environ["LIGERTUNE_QUIET"] = "1"
+    if verbose:
+        os.environ["LIGERTUNE_VERBOSE"] = "1"
 
 
 def fail(error: RecipeError, who: str = "") -> None:
     """Print a recipe error (`who`: the rank that hit it, in a multi-process run) and exit 2."""
-    err_console.print(f"[bold red]error:[/] {who}{error.source + ': ' if error.source else ''}invalid recipe")
+    source = escape(error.source + ": ") if error.source else ""
+    err_console.print(f"[bold red]error:[/] {escape(who)}{source}invalid recipe", soft_wrap=True)
     for problem in error.problems:
         err_console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
     raise typer.Exit(2)
@@ -171,11 +214,38 @@ def recipes_list(ctx: typer.Context) -> None:
     table.add_column("description")
     for name, path in shipped_recipes().items():
         try:
-            description = load_recipe(path).description
+            description = escape(load_recipe(path).description)
         except RecipeError as e:
-            description = f"[red]invalid: {e.problems[0]}[/]"
-        table.add_row(name, description)
+            extras = _missing_extras(e.problems)
+            if extras:
+                needs = ", ".join(f"the {x} extra: pip install 'ligertune[{x}]'" for x in extras)
+                description = f"{escape(_raw_description(path))} [yellow]{escape('(needs ' + needs + ')')}[/]"
+            else:
+                description = f"[red]invalid: {escape(e.problems[0])}[/]"
+        table.add_row(escape(name), description)
     console.print(table)
+
+
+# "install it with: pip install 'ligertune[deepspeed]'" in a packages.installed problem.
+_EXTRA_HINT = re.compile(r"not installed; install it with: pip install 'ligertune\[([\w-]+)\]'")
+
+
+def _missing_extras(problems: list[str]) -> list[str]:
+    """The extras that would make a recipe valid, when a missing extra is its only problem (a
+    deepspeed recipe on a machine without deepspeed is fine, not broken); else []."""
+    extras = [m.group(1) if (m := _EXTRA_HINT.search(p)) else None for p in problems]
+    return [] if None in extras else list(dict.fromkeys(extras))
+
+
+def _raw_description(path: Path) -> str:
+    """The description as written, for a recipe that does not validate here."""
+    from ligertune.config.loading import load_yaml
+
+    try:
+        raw = load_yaml(path.read_text(encoding="utf-8"))
+    except Exception:
+        return ""
+    return str(raw.get("description", "")) if isinstance(raw, dict) else ""
 
 
 @recipes_app.command("cp")
@@ -272,11 +342,12 @@ def train(
     """
     from rich.markup import escape
 
-    from ligertune.distributed.env import rank_label
+    from ligertune.distributed.env import launched_as, rank_label
     from ligertune.distributed.launch import LaunchError, LaunchOptions, check_options, launch, record_errors
     from ligertune.errors import DataError, TrainingError
     from ligertune.training import train as run_training
 
+    recipe = resolve_recipe_path(recipe)
     options = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     if options.requested:
         try:
@@ -284,23 +355,67 @@ def train(
         except RecipeError as e:
             fail(e)
         except LaunchError as e:
-            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         raise typer.Exit(launch(recipe, overrides or [], options))
 
     who = rank_label()  # "rank 1/4: " under torchrun, so every rank's error names it
+    if who:  # one copy of each line: the other ranks show warnings and errors only
+        configure_logging(verbosity, console, main=launched_as().rank == 0)
     try:
         result = record_errors(run_training)(load_recipe(recipe, overrides or []))
     except RecipeError as e:
         fail(e, who)
     except DataError as e:
-        err_console.print(f"[bold red]error:[/] {who}{escape(str(e))}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {who}{escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     except TrainingError as e:
-        err_console.print(f"[bold red]error:[/] {who}{escape(str(e))}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {who}{escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
     if result.signal is not None:
         raise typer.Exit(128 + result.signal)
+
+
+@app.command()
+def preprocess(
+    recipe: Path = typer.Argument(..., help="Recipe file."),
+    overrides: list[str] | None = typer.Argument(
+        None, help="key=value overrides, e.g. data.max_seq_len=4096."
+    ),
+) -> None:
+    """Tokenise the recipe's data into the cache ahead of training, and say where it is.
+
+    Runs of the same data, tokenizer and data settings (resumes, every arm of a compare, other
+    ranks) then load the cache instead of tokenising. Exit status: 0 done, 2 bad recipe or data.
+
+    [bold]Example[/]
+
+      ligertune preprocess recipes/llama3-8b-alpaca.yaml data.max_seq_len=4096
+    """
+    from ligertune.data import cache_entry, load_tokenizer
+    from ligertune.errors import DataError
+
+    try:
+        loaded = load_recipe(recipe, overrides or [])
+        if loaded.data.streaming:
+            _print_error(
+                "data.streaming: streamed data is tokenised while training; there is nothing to preprocess"
+            )
+            raise typer.Exit(2)
+        if not loaded.data.cache:
+            _print_error("data.cache is false: set it to true (the default) to keep the tokenised samples")
+            raise typer.Exit(2)
+        directory, existed = cache_entry(loaded, load_tokenizer(loaded), log=_print_line)
+    except RecipeError as e:
+        fail(e)
+    except DataError as e:
+        _print_error(str(e))
+        raise typer.Exit(2) from None
+    _print_line(f"{'already cached' if existed else 'cached'}: {directory}")
+
+
+def _print_line(line: str) -> None:
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -357,7 +472,7 @@ def bench(
     try:
         run_command(opts, console)
     except BenchError as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
@@ -382,6 +497,11 @@ def compare(
     rtol: float | None = typer.Option(
         None, "--rtol", help="Per-step relative loss tolerance (default: fp32 1e-4, bf16 2e-2)."
     ),
+    also: list[str] = typer.Option(
+        [],
+        "--also",
+        help="One more arm: the 'on' arm plus this key=value override (e.g. training.compile=true); repeatable.",
+    ),
 ) -> None:
     """Run the recipe with kernels off and on (same seed, weights and data): speed, memory, loss parity.
 
@@ -395,6 +515,8 @@ def compare(
 
       ligertune compare recipes/llama3.2-1b-alpaca-bench.yaml --kernels rms_norm,rope,swiglu --ablate
 
+      ligertune compare recipes/llama3.2-1b-alpaca-bench.yaml --also training.compile=true --also model.attn_implementation=sdpa
+
       ligertune compare recipes/llama3-8b-alpaca-bench.yaml --nproc-per-node 4 parallel.strategy=fsdp
     """
     from rich.markup import escape
@@ -403,7 +525,7 @@ def compare(
 
     try:
         status = compare_command(
-            recipe,
+            resolve_recipe_path(recipe),
             overrides or [],
             console,
             steps=steps,
@@ -412,14 +534,93 @@ def compare(
             out=out,
             nproc_per_node=nproc_per_node,
             rtol=rtol,
+            also=also,
         )
     except RecipeError as e:
         fail(e)
     except CompareError as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     if status:
         raise typer.Exit(status)
+
+
+@app.command()
+def generate(
+    run_or_model: str = typer.Argument(..., help="Run directory, Hugging Face model directory, or hub id."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt to complete."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens to generate at most."),
+    temperature: float = typer.Option(
+        0.0, "--temperature", "-t", help="0: greedy (reproducible); > 0: sampling."
+    ),
+    chat: bool = typer.Option(
+        True,
+        "--chat/--no-chat",
+        help="Send the prompt through the tokenizer's chat template (when it has one).",
+    ),
+) -> None:
+    """Complete a prompt with a trained model: a quick sanity check of a run.
+
+    A run directory uses its final/ export, or without one its newest checkpoint (the model rebuilt
+    from the checkpoint's recipe). Runs on the GPU when there is one, else on the CPU. Prints the
+    completion only. Exit status 2 when the model cannot be found or loaded.
+
+    [bold]Examples[/]
+
+      ligertune generate runs/quickstart --prompt "Give three tips for staying healthy."
+
+      ligertune generate runs/quickstart/final --prompt "Once upon a time" --no-chat -n 40
+
+      ligertune generate meta-llama/Llama-3.2-1B-Instruct --prompt "Hi" --temperature 0.7
+    """
+    from ligertune.tools.generate import GenerateError
+    from ligertune.tools.generate import generate as run_generate
+
+    try:
+        result = run_generate(
+            run_or_model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, chat=chat
+        )
+    except GenerateError as e:
+        _print_error(str(e))
+        raise typer.Exit(2) from None
+    how = "chat template" if result.chat else "plain prompt"
+    err_console.print(
+        f"[dim]{escape(result.source.describe())} on {result.device}, {how}[/]",
+        highlight=False,
+        soft_wrap=True,
+    )
+    console.print(result.completion, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def download(
+    recipe: Path = typer.Argument(..., help="Recipe file."),
+    overrides: list[str] | None = typer.Argument(None, help="key=value overrides, e.g. model.revision=main."),
+) -> None:
+    """Download what a recipe takes from the Hugging Face Hub into the HF cache: the model (weights,
+    config, tokenizer), a separate tokenizer, hub datasets. Then `train` runs without network
+    (HF_HUB_OFFLINE=1). Prints where each went.
+
+    Exit status: 0 done (or nothing to download), 1 a download failed (offline, no access, no such
+    repository), 2 bad recipe.
+
+    [bold]Example[/]
+
+      ligertune download recipes/llama3-8b-alpaca.yaml
+    """
+    from ligertune.tools.hub import HubError
+    from ligertune.tools.hub import download as run_download
+
+    loaded = load_recipe(recipe, overrides or [])
+    try:
+        done = run_download(loaded, report=_print_line)
+    except HubError as e:
+        _print_error(str(e))
+        raise typer.Exit(1) from None
+    if not done:
+        console.print(
+            "nothing to download: the recipe's model, tokenizer and data are local", highlight=False
+        )
 
 
 def main() -> None:

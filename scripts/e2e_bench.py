@@ -43,7 +43,7 @@ import sys
 import time
 from pathlib import Path
 
-from ligertune.tools.providers import PROVIDERS
+from ligertune.tools.providers import DEFAULT_PROVIDERS, PROVIDERS
 
 
 def run_provider(provider: str, name: str, args, overrides: list[str]) -> dict:
@@ -52,7 +52,7 @@ def run_provider(provider: str, name: str, args, overrides: list[str]) -> dict:
     from ligertune.tools.compare.runner import run_arm_process
 
     kernels = list(PROVIDERS[provider].kernels)
-    with_provider = [*overrides, *PROVIDERS[provider].overrides]
+    with_provider = [*overrides, *PROVIDERS[provider].extra_overrides(args.recipe_attention)]
     directory = (args.out / name).resolve()
     spec = ArmSpec(
         name, kernels, arm_recipe_overrides(with_provider, kernels, args.steps, directory), directory
@@ -195,7 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, key=value (every provider)")
-    parser.add_argument("--providers", default=",".join(PROVIDERS))
+    parser.add_argument(
+        "--providers", default=",".join(DEFAULT_PROVIDERS), help=f"comma list of: {', '.join(PROVIDERS)}"
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5, help="steps left out of the rates")
     parser.add_argument("--nproc-per-node", type=int, default=None, help="GPUs per arm (torchrun)")
@@ -221,10 +223,11 @@ def main(argv: list[str] | None = None) -> int:
         lengths = sorted(int(x) for x in args.seq_lens.split(",")) if args.seq_lens else [None]
     except ValueError:
         parser.error(f"--seq-lens takes a comma list of token counts, got {args.seq_lens!r}")
-    from ligertune.config import RecipeError
+    from ligertune.config import RecipeError, load_recipe
     from ligertune.tools.compare import CompareError, make_plan
 
     try:  # every option checked before anything is written or run
+        args.recipe_attention = load_recipe(args.recipe, args.overrides).model.attn_implementation
         make_plan(
             Path(args.recipe),
             args.overrides,

@@ -1,4 +1,4 @@
-"""Regenerate docs/recipes.md from the recipe schema (ligertune/recipe.py)."""
+"""Regenerate docs/recipes.md from the recipe schema (ligertune/config/schema.py)."""
 
 from pathlib import Path
 

@@ -1,4 +1,4 @@
-# Sourced by the GPU runner scripts (gpu_check.sh, gpu_single.sh, gpu_distributed.sh).
+# Sourced by the GPU runner scripts (gpu_check.sh, gpu_single.sh, gpu_distributed.sh, gpu_step.sh).
 # report_header TITLE: the head of a run's summary.md on stdout: the title with the UTC time and
 # commit, then the GPUs and package versions in a code block. Uses $PYTHON.
 report_header() {
@@ -6,7 +6,7 @@ report_header() {
   echo
   echo '```'
   nvidia-smi -L
-  "$PYTHON" -c 'from ligertune.environment import describe_environment as d; [print(f"{k}: {v}") for k, v in d().items()]'
+  "$PYTHON" -c 'from ligertune.tools.env import describe_environment as d; [print(f"{k}: {v}") for k, v in d().items()]'
   echo '```'
   echo
 }

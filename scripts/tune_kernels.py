@@ -9,7 +9,7 @@ Run on the GPU machine from the repo root; about 3-4 minutes on an H200, never m
 One process, three parts:
 
 1. **Profile** one call of each op exactly as ``ligertune bench`` runs it (its inputs from
-   `ligertune.bench_cases`; ours, and Liger's when installed): the bench-protocol times (fwd and
+   `ligertune.tools.bench.cases`; ours, and Liger's when installed): the bench-protocol times (fwd and
    full with do_bench, bwd timed after a fresh forward); the host time to issue the forward, the
    backward (``autograd.grad``) and, for ours, each bare Triton launch in them; and from
    torch.profiler the GPU kernels per call (summed time, names) and the CUDA runtime calls

@@ -5,11 +5,15 @@ top of the first module pytest imports.
 """
 
 import os
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tokenised-data cache of every run the tests start (and of their child processes): a
+# folder of this session's, never the user's ~/.cache.
+os.environ.setdefault("LIGERTUNE_DATA_CACHE", tempfile.mkdtemp(prefix="ligertune-test-data-"))
 
 import pytest  # noqa: E402
 

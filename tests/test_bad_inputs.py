@@ -473,7 +473,7 @@ CASES = [
     ),
     Case(
         "bad_attention",
-        "model.attn_implementation: got 'flash'; allowed: 'sdpa', 'eager' or 'flash_attention_2'",
+        "model.attn_implementation: got 'flash'; allowed: 'auto', 'sdpa', 'eager', 'flex_attention' or 'flash_attention_2'",
         _model("config: tiny-llama\nattn_implementation: flash"),
     ),
     Case(

@@ -71,3 +71,54 @@ def test_help_shows_examples(command):
     proc = cli(command, "--help")
     assert proc.returncode == 0
     assert "Example" in proc.stdout
+
+
+def test_version_and_completion_options():
+    version = cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == "ligertune 0.1.0"
+    helped = cli("--help")
+    assert helped.returncode == 0
+    for option in ("--install-completion", "--show-completion", "--quiet", "--verbose", "--version"):
+        assert option in helped.stdout
+    both = cli("--quiet", "--verbose", "env")
+    assert both.returncode == 2 and "contradict" in both.stderr
+
+
+def test_a_shipped_recipe_name_stands_for_its_file(tmp_path):
+    proc = cli("validate", "quickstart", "llama3-8b-alpaca.yaml", "-f", "none", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "✓ quickstart" in proc.stdout and "✓ llama3-8b-alpaca.yaml" in proc.stdout
+    # A local file of that name wins over the shipped recipe.
+    (tmp_path / "quickstart").write_text("not: [valid\n")
+    local = cli("validate", "quickstart", cwd=tmp_path)
+    assert local.returncode == 2 and "not valid YAML" in local.stderr
+    unknown = cli("validate", "quickstrat", cwd=tmp_path)
+    assert unknown.returncode == 2 and "recipe file not found: quickstrat" in unknown.stderr
+
+
+def test_errors_are_not_wrapped_at_80_columns_when_piped(tmp_path):
+    long = tmp_path / ("a-rather-long-folder-name-" * 4) / "recipe.yaml"
+    proc = cli("validate", str(long))
+    assert proc.returncode == 2
+    assert f"recipe file not found: {long}" in proc.stderr  # one line, whole
+
+
+def test_recipes_says_which_extra_a_recipe_needs(monkeypatch):
+    """A deepspeed recipe on a machine without deepspeed is not 'invalid', and the extra's
+    brackets are printed, not read as rich markup."""
+    import importlib.util
+
+    from typer.testing import CliRunner
+
+    from ligertune.cli import app
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a)
+    )
+    result = CliRunner().invoke(app, ["recipes"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.output.splitlines() if "qwen2.5-7b-alpaca-deepspeed " in line)
+    assert "DeepSpeed ZeRO-3" in line  # the description, read from the file
+    assert "needs the deepspeed extra: pip install 'ligertune[deepspeed]'" in line
+    assert "invalid" not in result.output

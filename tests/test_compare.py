@@ -203,6 +203,8 @@ def test_default_kernels_and_tolerance_follow_the_recipe(tmp_path):
         (dict(nproc_per_node=2), "add parallel.strategy=ddp"),
         (dict(overrides=["kernels.rope=false"]), "use --kernels instead"),
         (dict(overrides=["training.max_steps=5"]), "use --steps instead"),
+        (dict(also=["training.compile"]), "--also training.compile: write one recipe override, key=value"),
+        (dict(also=["kernels.rope=false"]), "use --kernels instead"),
     ],
 )
 def test_bad_options_are_named_with_the_fix(tmp_path, options, message):
@@ -354,6 +356,27 @@ def test_ablation_leaves_out_a_kernel_the_model_has_no_module_for(monkeypatch, t
     assert not (tmp_path / "layer_norm").exists()
     assert any(n.startswith("arm layer_norm not run") for n in report["notes"]), report["notes"]
     assert report["verdict"]["parity"]
+
+
+def test_also_adds_an_on_arm_with_one_more_setting_measured_against_off(monkeypatch, tmp_path):
+    # With --ablate too: an --also arm carries every selected kernel, layer_norm (unpatched in a
+    # Llama) included, and still runs; only the layer_norm ablation arm is left out.
+    status, report = run_in_process(
+        monkeypatch,
+        tmp_path,
+        steps=2,
+        kernels="rms_norm,layer_norm",
+        ablate=True,
+        also=["model.attn_implementation=eager"],
+    )
+    assert status == 0
+    names = [a["name"] for a in report["arms"]]
+    assert names == ["off", "on", "rms_norm", "on+attn_implementation=eager"]
+    extra = json.loads((tmp_path / "on+attn_implementation=eager" / "arm.json").read_text())
+    assert "model.attn_implementation=eager" in extra["overrides"]
+    assert extra["kernels"] == ["rms_norm", "layer_norm"]
+    compared = {c["arm"]: c for c in report["comparisons"]}
+    assert compared["on+attn_implementation=eager"]["verdict"]["parity"]  # eager and sdpa: same math
 
 
 def test_an_arm_out_of_memory_is_reported_and_the_other_arm_still_runs(monkeypatch, tmp_path):

@@ -65,6 +65,13 @@ def make_recipe(path: str | Path, seed: int = 0, **data):
     )
 
 
+@pytest.fixture(autouse=True)
+def data_cache(tmp_path, monkeypatch):
+    """Each test gets its own tokenised-samples cache, never the user's."""
+    monkeypatch.setenv("LIGERTUNE_DATA_CACHE", str(tmp_path / "data-cache"))
+    return tmp_path / "data-cache"
+
+
 @pytest.fixture(scope="module")
 def tok():
     return load_tokenizer(make_recipe(ASSETS_DIR / "alpaca_sample.jsonl"))

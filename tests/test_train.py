@@ -548,6 +548,8 @@ def test_quickstart_runs_from_the_cli(tmp_path):
     output, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, output
     assert "step 4/4" in output and "run summary" in output
+    # The quickstart's attention is auto; on a CPU that is SDPA, with our packed-row mask.
+    assert "attention: sdpa (auto: CPU); packed rows: sdpa with a document mask" in output
     assert (tmp_path / "final" / "config.json").is_file() and (tmp_path / "checkpoints" / "step-4").is_dir()
     records = read_metrics(tmp_path)
     assert records[-1]["event"] == "summary" and records[-1]["steps"] == 4

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from ligertune.config.rules import recipe_problems
 from ligertune.config.schema import KernelsSection, Recipe
 from ligertune.errors import RecipeError
-from ligertune.paths import RECIPES_DIR
+from ligertune.paths import RECIPES_DIR, shipped_recipes
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -227,9 +227,20 @@ def validate_recipe(raw: Any, source: str | None = None, base_dir: Path | None =
     return recipe
 
 
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read, override and validate a recipe file. Raises RecipeError with every problem found."""
+def resolve_recipe_path(path: str | Path) -> Path:
+    """The file a recipe argument names: the path itself when it exists or has a folder in it;
+    else, for a bare name that a shipped recipe has (``quickstart``, ``llama3-8b-alpaca.yaml``),
+    that recipe. A local file always wins, so a shipped name never hides the user's own file."""
     path = Path(path)
+    if path.exists() or len(path.parts) != 1:
+        return path
+    return shipped_recipes().get(path.name.removesuffix(".yaml"), path)
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read, override and validate a recipe file (or a shipped recipe, by name). Raises RecipeError
+    with every problem found."""
+    path = resolve_recipe_path(path)
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.yaml"))
         hint = f" (it holds {', '.join(inside[:3])}{', ...' if len(inside) > 3 else ''})" if inside else ""

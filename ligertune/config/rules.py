@@ -111,6 +111,7 @@ def _local_files_exist(recipe: Recipe) -> list[str]:
         ("model.name_or_path", recipe.model.name_or_path),
         ("tokenizer.name_or_path", recipe.tokenizer.name_or_path),
         ("data.path", recipe.data.path),
+        *((f"data.mix[{i}].path", source.path) for i, source in enumerate(recipe.data.mix or [])),
         ("parallel.deepspeed.config", recipe.parallel.deepspeed.config),
     ]
     if recipe.checkpoint.resume not in ("auto", "none"):
@@ -123,6 +124,36 @@ def _local_files_exist(recipe: Recipe) -> list[str]:
                 looked = " and ".join(str((d / path).resolve()) for d in dict.fromkeys(where))
                 shown = str(path) if path.is_absolute() else f"{value} (looked for {looked})"
                 problems.append(f"{key}: file not found: {shown}")
+    return problems
+
+
+@rule("data.one_source")
+def _one_data_source(recipe: Recipe) -> list[str]:
+    """Exactly one of data.path (one dataset) and data.mix (several, by weight)."""
+    data = recipe.data
+    if data.path is None and not data.mix:
+        return ["data.path: required key is missing (or list several datasets under data.mix)"]
+    if data.path is not None and data.mix:
+        return ["data: set data.path (one dataset) or data.mix (several), not both"]
+    return []
+
+
+@rule("data.streaming")
+def _streaming_limits(recipe: Recipe) -> list[str]:
+    """data.streaming needs training.max_steps; its validation data comes from validation_split only."""
+    if not recipe.data.streaming:
+        return []
+    problems = []
+    if recipe.training.max_steps is None:
+        problems.append(
+            "training.max_steps: data.streaming reads data of unknown length, so epochs cannot be "
+            "counted; set training.max_steps"
+        )
+    if recipe.data.validation_fraction > 0:
+        problems.append(
+            "data.validation_fraction: cannot hold out a fraction of a stream of unknown length; "
+            "set data.validation_split instead"
+        )
     return problems
 
 
@@ -189,6 +220,68 @@ def _deepspeed_options(recipe: Recipe) -> list[str]:
     return problems
 
 
+@rule("parallel.sharded_init_needs_sharding")
+def _sharded_init_needs_sharding(recipe: Recipe) -> list[str]:
+    """parallel.sharded_init: true needs a strategy that shards the parameters (fsdp, deepspeed stage 3)."""
+    parallel = recipe.parallel
+    sharding = parallel.strategy == "fsdp" or (
+        parallel.strategy == "deepspeed" and parallel.deepspeed.zero_stage == 3
+    )
+    if parallel.sharded_init is True and not sharding:
+        return [
+            f"parallel.sharded_init: true, but parallel.strategy {parallel.strategy}"
+            + (f" (ZeRO stage {parallel.deepspeed.zero_stage})" if parallel.strategy == "deepspeed" else "")
+            + " keeps whole parameters on every rank; use fsdp or deepspeed with zero_stage 3, or sharded_init auto"
+        ]
+    return []
+
+
+@rule("export.push_to_hub_needs_export")
+def _push_needs_export(recipe: Recipe) -> list[str]:
+    """export.push_to_hub uploads the Hugging Face export: it needs checkpoint.export_hf."""
+    if recipe.export.push_to_hub and not recipe.checkpoint.export_hf:
+        return [
+            "export.push_to_hub is set but checkpoint.export_hf is false; the upload is the export's folder: "
+            "set checkpoint.export_hf=true"
+        ]
+    return []
+
+
+@rule("lora.combinations")
+def _lora_combinations(recipe: Recipe) -> list[str]:
+    """LoRA and quantisation go together with what supports them: model.quantize needs lora; lora trains with
+    none, ddp or fsdp (quantised: none or ddp), without fp8 and without sharded init; export.merge_lora needs lora."""
+    lora, quantize, strategy = recipe.lora, recipe.model.quantize, recipe.parallel.strategy
+    problems = []
+    if quantize != "none" and lora is None:
+        problems.append(
+            f"model.quantize: {quantize} freezes the base weights, so only adapters can train; add a lora "
+            "section (QLoRA) or set model.quantize=none"
+        )
+    if lora is not None and strategy == "deepspeed":
+        problems.append(
+            "lora: not supported with parallel.strategy deepspeed (its checkpoints hold every weight); "
+            "use ddp or fsdp"
+        )
+    if quantize != "none" and strategy in ("fsdp", "deepspeed"):
+        problems.append(
+            f"model.quantize: {quantize} weights cannot be sharded by parallel.strategy {strategy}; use none "
+            "or ddp (a quantised 8B model fits one GPU)"
+        )
+    if lora is not None and recipe.training.fp8 != "none":
+        problems.append("training.fp8: not supported with lora (peft cannot wrap float8 layers); set training.fp8=none")
+    if lora is not None and recipe.parallel.sharded_init is True:
+        problems.append(
+            "parallel.sharded_init: true is not supported with lora (the shards are filled from a plain "
+            "model's state dict); set parallel.sharded_init=auto"
+        )
+    if recipe.export.merge_lora and lora is None:
+        problems.append("export.merge_lora: there is nothing to merge without a lora section; remove it")
+    if recipe.export.merge_lora and not recipe.checkpoint.export_hf:
+        problems.append("export.merge_lora is set but checkpoint.export_hf is false; set checkpoint.export_hf=true")
+    return problems
+
+
 @rule("plugins.named")
 def _plugins_named(recipe: Recipe) -> list[str]:
     """Each plugin is 'module:function' or a built-in name."""
@@ -206,7 +299,7 @@ def _is_function_path(name: str) -> bool:
 
 @rule("packages.installed")
 def _packages_installed(recipe: Recipe) -> list[str]:
-    """Packages the recipe's choices need are installed (deepspeed, flash-attn)."""
+    """Packages the recipe's choices need are installed (deepspeed, flash-attn, torchao, peft, metric loggers)."""
     problems = []
     if recipe.parallel.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
         problems.append(
@@ -221,7 +314,31 @@ def _packages_installed(recipe: Recipe) -> list[str]:
             "model.attn_implementation: flash_attention_2 needs the flash-attn package, which is not "
             "installed; install it (pip install flash-attn --no-build-isolation) or use sdpa"
         )
+    if recipe.training.fp8 != "none" and importlib.util.find_spec("torchao") is None:
+        problems.append(
+            f"training.fp8: {recipe.training.fp8} needs torchao, which is not installed; "
+            "install it with: pip install 'ligertune[fp8]'"
+        )
+    if recipe.lora is not None and importlib.util.find_spec("peft") is None:
+        problems.append("lora: needs peft, which is not installed; install it with: pip install 'ligertune[lora]'")
+    # Each metric logger's package has the logger's name (tensorboard, wandb, mlflow).
+    for name in [n for n in recipe.logging.selected_loggers() if importlib.util.find_spec(n) is None]:
+        key = "logging.tensorboard" if name not in recipe.logging.loggers else "logging.loggers"
+        problems.append(
+            f"{key}: {name} is selected but not installed; install it with: pip install 'ligertune[{name}]' "
+            f"or remove it from {key}"
+        )
     return problems
+
+
+@rule("training.fp8_strategies")
+def _fp8_strategies(recipe: Recipe) -> list[str]:
+    """FP8 trains with one process, DDP or FSDP2 (torchao's float8 layers are not tested under DeepSpeed)."""
+    if recipe.training.fp8 != "none" and recipe.parallel.strategy == "deepspeed":
+        return [
+            "training.fp8: not supported with parallel.strategy deepspeed; use fsdp or set training.fp8=none"
+        ]
+    return []
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,9 +467,28 @@ def _fsdp_offload_needs_gpu(recipe: Recipe) -> list[str]:
     return []
 
 
+@rule("model.quantize_on_cuda", phase="machine")
+def _quantize_on_cuda(recipe: Recipe) -> list[str]:
+    """model.quantize runs on CUDA only, with bitsandbytes installed (a machine rule: it installs on GPU machines)."""
+    quantize = recipe.model.quantize
+    if quantize == "none":
+        return []
+    if not runs_on_cuda(recipe):
+        return [
+            f"model.quantize: {quantize} (bitsandbytes) runs on CUDA only; set model.quantize=none to train "
+            "LoRA on the CPU"
+        ]
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return [
+            f"model.quantize: {quantize} needs bitsandbytes, which is not installed; install it with: "
+            "pip install 'ligertune[qlora]'"
+        ]
+    return []
+
+
 @rule("model.flash_attention_on_cuda", phase="machine")
 def _flash_attention_on_cuda(recipe: Recipe) -> list[str]:
     """flash_attention_2 runs on CUDA only."""
     if recipe.model.attn_implementation == "flash_attention_2" and not runs_on_cuda(recipe):
-        return ["model.attn_implementation: flash_attention_2 runs on CUDA only; use sdpa on CPU"]
+        return ["model.attn_implementation: flash_attention_2 runs on CUDA only; use auto or sdpa on CPU"]
     return []

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from ligertune.patching.registry import KERNEL_NAMES, KERNELS
 from ligertune.paths import resolve_path
@@ -33,6 +33,8 @@ AdamBeta = Annotated[float, Field(strict=True, ge=0.0, lt=1.0)]
 
 # A run name becomes a folder under runs/: one plain path component.
 RUN_NAME = re.compile(r"[A-Za-z0-9._-]+")
+# A hub repository id: owner/name, each a plain name.
+HUB_REPO_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 # Short names accepted in `plugins`, and the function each stands for.
@@ -57,11 +59,20 @@ class ModelSection(Section):
         default_factory=dict,
         description="Config fields to change after loading, e.g. {num_hidden_layers: 2}.",
     )
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = Field(
-        "sdpa", description="Attention backend handed to transformers."
+    attn_implementation: Literal["auto", "sdpa", "eager", "flex_attention", "flash_attention_2"] = Field(
+        "auto",
+        description="Attention backend. auto: flash_attention_2 on CUDA when flash-attn is installed, else "
+        "flex_attention on CUDA with packed rows (skips cross-sample blocks), else sdpa; the start log "
+        "says which.",
     )
     trust_remote_code: bool = Field(False, description="Allow custom modeling code from the hub repository.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the weights.")
+    quantize: Literal["none", "4bit", "8bit"] = Field(
+        "none",
+        description="Load the frozen base weights quantised by bitsandbytes (QLoRA; needs a lora section, a "
+        "GPU and pip install 'ligertune[qlora]'): 4bit is NF4 with double quantisation and bf16 compute, "
+        "8bit is LLM.int8(). The embeddings, norms and lm_head stay in the training precision.",
+    )
 
 
 class TokenizerSection(Section):
@@ -76,12 +87,42 @@ class TokenizerSection(Section):
     )
 
 
-class DataSection(Section):
-    format: Literal["alpaca", "chat", "pretokenized"] = Field(
-        "alpaca",
-        description="alpaca: instruction/input/output; chat: a messages list; pretokenized: input_ids[/labels].",
-    )
+DATA_FORMATS = ("alpaca", "chat", "messages", "sharegpt", "prompt_completion", "pretokenized")
+DataFormat = Literal["alpaca", "chat", "messages", "sharegpt", "prompt_completion", "pretokenized"]
+
+
+class DataSource(Section):
+    """One dataset of ``data.mix``; unset keys take the data section's value."""
+
     path: str = Field(description="Hub dataset id, or a local JSON/JSONL/Parquet file or directory.")
+    weight: float = Field(
+        1.0, gt=0, description="Relative share of the mix's samples (weights need not sum to 1)."
+    )
+    format: DataFormat | None = Field(None, description="Format of this dataset (default: data.format).")
+    subset: str | None = Field(None, description="Hub config/subset (default: data.subset).")
+    split: str | None = Field(None, description="Split to train on (default: data.split).")
+    messages_field: str | None = Field(None, description="Messages column (default: data.messages_field).")
+
+
+class DataSection(Section):
+    format: DataFormat = Field(
+        "alpaca",
+        description="alpaca: instruction/input/output; chat (or messages): an OpenAI-style list of "
+        "{role, content}; sharegpt: a list of {from, value} (human/gpt/system); prompt_completion: "
+        "prompt/completion, loss on the completion; pretokenized: input_ids[/labels].",
+    )
+    path: str | None = Field(
+        None,
+        description="Hub dataset id, or a local JSON/JSONL/Parquet file or directory (or set mix instead).",
+    )
+    subset: str | None = Field(
+        None, description="Hub dataset config (subset) name: load_dataset(path, subset)."
+    )
+    mix: list[DataSource] | None = Field(
+        None,
+        description="Several datasets instead of path, each {path, weight, format, subset, split, "
+        "messages_field}; samples are drawn by weight, seeded (see README).",
+    )
     split: str = Field("train", description="Split to train on.")
     validation_split: str | None = Field(
         None, description="Split to evaluate on; when absent, validation_fraction is held out from train."
@@ -96,9 +137,27 @@ class DataSection(Section):
         True, description="Concatenate samples into max_seq_len rows, attention kept within each sample."
     )
     train_on_inputs: bool = Field(False, description="Also compute the loss on prompt tokens.")
-    messages_field: str = Field("messages", description="Column holding the messages list (chat format).")
-    max_samples: int | None = Field(None, gt=0, description="Use only the first N samples (after shuffling).")
+    messages_field: str | None = Field(
+        None,
+        description="Column holding the conversation (default: messages for chat, conversations for sharegpt).",
+    )
+    max_samples: int | None = Field(
+        None, gt=0, description="Use only the first N samples (after shuffling); with mix: the mix's size."
+    )
     shuffle: bool = Field(True, description="Shuffle samples (seeded by the recipe seed).")
+    streaming: bool = Field(
+        False,
+        description="Read and tokenise the data on the fly (load_dataset(streaming=True)) instead of "
+        "tokenising it all first; needs training.max_steps.",
+    )
+    cache: bool = Field(
+        True, description="Keep the tokenised samples on disk and reuse them while the inputs are unchanged."
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="Where tokenised samples are cached (default: $LIGERTUNE_DATA_CACHE, else "
+        "~/.cache/ligertune/datasets).",
+    )
 
 
 class TrainingSection(Section):
@@ -132,6 +191,11 @@ class TrainingSection(Section):
         False, description="Recompute each decoder layer in backward (non-reentrant)."
     )
     compile: bool = Field(False, description="torch.compile each decoder layer.")
+    fp8: Literal["none", "rowwise", "tensorwise"] = Field(
+        "none",
+        description="FP8 matmuls in the decoder layers' linear layers through torchao (pip install "
+        "'ligertune[fp8]'; pays with compile: true on an H100/H200): rowwise or tensorwise scaling.",
+    )
     eval_every: int | None = Field(None, gt=0, description="Evaluate on the validation split every N steps.")
     eval_max_batches: int | None = Field(None, gt=0, description="Cap the batches per evaluation.")
     on_nonfinite: Literal["stop", "skip"] = Field(
@@ -217,6 +281,20 @@ class ParallelSection(Section):
     deepspeed: DeepSpeedOptions = Field(
         default_factory=DeepSpeedOptions, description="Options for strategy deepspeed."
     )
+    sharded_init: Literal["auto"] | bool = Field(
+        "auto",
+        description="Build the model empty (meta device), shard it, then fill each rank's shards from "
+        "rank 0 (fsdp) or build it inside deepspeed.zero.Init (ZeRO-3), so no GPU holds the whole "
+        "model. auto: on for fsdp and deepspeed stage 3 (off with lora); true elsewhere is an error.",
+    )
+
+    @property
+    def shards_at_init(self) -> bool:
+        """Whether the model is built sharded (``sharded_init`` with ``auto`` resolved)."""
+        sharding = self.strategy == "fsdp" or (
+            self.strategy == "deepspeed" and self.deepspeed.zero_stage == 3
+        )
+        return sharding if self.sharded_init == "auto" else bool(self.sharded_init)
 
 
 class LoggingSection(Section):
@@ -224,10 +302,29 @@ class LoggingSection(Section):
     progress: Literal["auto", "rich", "plain"] = Field(
         "auto", description="auto: a rich progress bar on a terminal, plain lines otherwise."
     )
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description="Experiment trackers that also receive the metrics, e.g. [tensorboard, wandb]. Each is "
+        "an extra (pip install 'ligertune[wandb]'); a selected one that is not installed is a recipe error.",
+    )
+    run_name: str | None = Field(
+        None, description="The run's name in W&B and MLflow (default: the run directory's name)."
+    )
+    wandb_project: str | None = Field(None, description="W&B project (default: ligertune).")
+    wandb_entity: str | None = Field(None, description="W&B entity (team or user; default: yours).")
+    mlflow_tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI (default: MLFLOW_TRACKING_URI, else ./mlruns)."
+    )
+    mlflow_experiment: str | None = Field(None, description="MLflow experiment (default: ligertune).")
     tensorboard: bool = Field(
-        False, description="Also write TensorBoard scalars (needs tensorboard installed)."
+        False, description="Deprecated spelling of loggers: [tensorboard]; still honoured."
     )
     throughput_warmup_steps: int = Field(2, ge=0, description="Steps left out of tokens/s and MFU averages.")
+
+    def selected_loggers(self) -> list[str]:
+        """`loggers`, plus tensorboard when the deprecated `tensorboard: true` asks for it."""
+        extra = ["tensorboard"] if self.tensorboard and "tensorboard" not in self.loggers else []
+        return [*self.loggers, *extra]
 
 
 class CheckpointSection(Section):
@@ -245,6 +342,52 @@ class CheckpointSection(Section):
     export_hf: bool = Field(
         True, description="Write a Hugging Face model (safetensors + config + tokenizer) at the end."
     )
+
+
+class ExportSection(Section):
+    push_to_hub: str | None = Field(
+        None,
+        description="Hub repository id (owner/name) to upload the Hugging Face export to at the end "
+        "(needs checkpoint.export_hf; token from HF_TOKEN or `hf auth login`).",
+    )
+    private: bool = Field(True, description="Create the hub repository as private (when it does not exist).")
+    merge_lora: bool = Field(
+        False,
+        description="With lora: besides the adapter (final/, peft format), write final-merged/, a plain "
+        "Hugging Face model with the adapters merged into the weights.",
+    )
+
+    @field_validator("push_to_hub")
+    @classmethod
+    def _repo_id(cls, value: str | None) -> str | None:
+        if value is not None and not HUB_REPO_ID.fullmatch(value):
+            raise ValueError(
+                f"got {value!r}; a hub repository id is owner/name, e.g. my-org/llama3-8b-alpaca"
+            )
+        return value
+
+
+class LoraSection(Section):
+    """LoRA adapters through peft: every base weight frozen, W·x + (alpha/r)·B·A·dropout(x) on the target
+    linear layers, only A and B (and modules_to_save) trained."""
+
+    r: int = Field(16, gt=0, description="Rank of the adapters (A is r × in, B is out × r).")
+    alpha: float = Field(
+        32, gt=0, description="Scale numerator: the update is (alpha/r)·B·A (alpha/√r with use_rslora)."
+    )
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapters' input (not the base path).")
+    target_modules: Literal["all-linear"] | Annotated[list[str], Field(min_length=1)] = Field(
+        "all-linear",
+        description="Linear layers that get an adapter, by name (q_proj, v_proj, gate_proj, ...; lm_head "
+        "for an adapter on the output layer), or all-linear: every linear layer but the lm_head.",
+    )
+    modules_to_save: list[str] = Field(
+        default_factory=list,
+        description="Modules trained in full besides the adapters and saved with them, e.g. [embed_tokens, "
+        "lm_head] for new tokens.",
+    )
+    use_dora: bool = Field(False, description="DoRA: also train a per-output-row magnitude (peft use_dora).")
+    use_rslora: bool = Field(False, description="Rank-stabilised scale alpha/√r instead of alpha/r.")
 
 
 class Recipe(Section):
@@ -283,6 +426,14 @@ class Recipe(Section):
     checkpoint: CheckpointSection = Field(
         default_factory=CheckpointSection, description="Saving and resuming."
     )
+    export: ExportSection = Field(
+        default_factory=ExportSection, description="Where the final export goes besides the run directory."
+    )
+    lora: LoraSection | None = Field(
+        None,
+        description="Train LoRA adapters instead of every weight (peft; pip install 'ligertune[lora]'). "
+        "Absent: full fine-tuning.",
+    )
 
     # The directory the recipe file lives in: relative paths resolve against it.
     _base_dir: Path | None = None
@@ -298,6 +449,15 @@ class Recipe(Section):
                 "to choose where the run writes, set output_dir"
             )
         return value
+
+    @model_validator(mode="after")
+    def _lora_builds_whole(self) -> Recipe:
+        """``parallel.sharded_init: auto`` resolves to off with lora: the sharded build fills the
+        shards from a plain model's state dict, whose names are not the adapted model's. The
+        rule ``lora.sharded_init`` refuses an explicit true."""
+        if self.lora is not None and self.parallel.sharded_init == "auto":
+            self.parallel.sharded_init = False
+        return self
 
     @field_validator("kernels", mode="before")
     @classmethod

@@ -1,13 +1,19 @@
 """Dataset formats → token ids and labels.
 
-Three formats, all ending as `Sample(input_ids, labels)` with labels aligned to input_ids
-(the model shifts them: the logits at position t are scored against labels[t + 1]):
+Every format ends as `Sample(input_ids, labels)` with labels aligned to input_ids (the model
+shifts them: the logits at position t are scored against labels[t + 1]):
 
 * ``alpaca``: columns instruction, output and optionally input, rendered with the standard
   Alpaca prompt. The prompt (and the tokenizer's BOS) is labelled −100 unless
   ``train_on_inputs``; the response and an appended EOS are labelled.
-* ``chat``: a list of ``{role, content}`` messages rendered with the tokenizer's chat template.
-  Only assistant turns (and the EOS after a final assistant turn) are labelled.
+* ``prompt_completion``: columns prompt and completion, used as written (no template): the
+  prompt is labelled −100 unless ``train_on_inputs``, the completion and an appended EOS are
+  labelled. BOS as for alpaca.
+* ``chat`` (also spelled ``messages``): the OpenAI layout, a list of ``{role, content}``
+  messages (column ``messages``), rendered with the tokenizer's chat template. Only assistant
+  turns (and the EOS after a final assistant turn) are labelled.
+* ``sharegpt``: a list of ``{from, value}`` turns (column ``conversations``), roles human, gpt
+  and system read as user, assistant and system; then as ``chat``.
 * ``pretokenized``: ``input_ids`` and optionally ``labels`` (default: every token), used as is.
 
 Prompt and response are tokenized separately and concatenated, so the label boundary is
@@ -59,16 +65,40 @@ def alpaca_prompt(instruction: str, input: str = "") -> str:
     return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
 
 
-def columns_for(fmt: str, messages_field: str = "messages") -> tuple[list[str], list[str]]:
+# ShareGPT speakers → chat roles. user/assistant appear in some ShareGPT dumps too.
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+FORMATS = ("alpaca", "prompt_completion", "chat", "sharegpt", "pretokenized")
+
+
+def canonical_format(fmt: str) -> str:
+    """``messages`` is another name for ``chat`` (the OpenAI layout)."""
+    return "chat" if fmt == "messages" else fmt
+
+
+def default_messages_field(fmt: str) -> str:
+    return "conversations" if canonical_format(fmt) == "sharegpt" else "messages"
+
+
+def columns_for(fmt: str, messages_field: str | None = None) -> tuple[list[str], list[str]]:
     """(required, optional) columns of a format."""
+    fmt = canonical_format(fmt)
+    field = messages_field or default_messages_field(fmt)
     return {
         "alpaca": (["instruction", "output"], ["input"]),
-        "chat": ([messages_field], []),
+        "prompt_completion": (["prompt", "completion"], []),
+        "chat": ([field], []),
+        "sharegpt": ([field], []),
         "pretokenized": (["input_ids"], ["labels"]),
     }[fmt]
 
 
-def check_columns(fmt: str, found: Sequence[str], source: str, messages_field: str = "messages") -> None:
+def check_columns(fmt: str, found: Sequence[str], source: str, messages_field: str | None = None) -> None:
     required, optional = columns_for(fmt, messages_field)
     missing = [c for c in required if c not in found]
     if not missing:
@@ -81,12 +111,12 @@ def check_columns(fmt: str, found: Sequence[str], source: str, messages_field: s
     )
 
 
-def _format_hint(fmt: str, found: Sequence[str], messages_field: str) -> str:
+def _format_hint(fmt: str, found: Sequence[str], messages_field: str | None) -> str:
     """Point at the setting that probably fixes a column mismatch."""
-    for other in ("alpaca", "chat", "pretokenized"):
-        if other != fmt and all(c in found for c in columns_for(other)[0]):
+    for other in FORMATS:
+        if other != canonical_format(fmt) and all(c in found for c in columns_for(other)[0]):
             return f"; the columns fit data.format: {other}"
-    if fmt == "chat":
+    if canonical_format(fmt) in ("chat", "sharegpt"):
         lists = [c for c in found if c in ("conversations", "conversation", "dialog", "chat", "turns")]
         if lists:
             return f"; if {lists[0]} holds the messages, set data.messages_field: {lists[0]}"
@@ -152,8 +182,49 @@ def alpaca_segments(rows: Rows, source: str) -> list[Segments]:
     return samples
 
 
+def prompt_completion_segments(rows: Rows, source: str) -> list[Segments]:
+    samples = []
+    for index, row in rows:
+        for name in ("prompt", "completion"):
+            if not isinstance(row[name], str):
+                raise DataError(f"{source}, row {index}: {name} must be text, got {type(row[name]).__name__}")
+        if not row["completion"]:
+            raise DataError(f"{source}, row {index}: completion is empty; there would be nothing to train on")
+        samples.append([(row["prompt"], False), (row["completion"], True)])
+    return samples
+
+
+def sharegpt_messages(turns: Any, field: str, where: str) -> list[dict]:
+    """ShareGPT ``[{from, value}]`` → chat ``[{role, content}]``, naming the turn at fault."""
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: {field} must be a non-empty list of {{from, value}} turns")
+    messages = []
+    for turn, message in enumerate(turns):
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("from"), str)
+            and isinstance(message.get("value"), str)
+        ):
+            raise DataError(
+                f"{where}: turn {turn} of {field} needs text fields from and value, got {message!r}"
+            )
+        role = SHAREGPT_ROLES.get(message["from"])
+        if role is None:
+            raise DataError(
+                f"{where}: turn {turn} of {field} is from {message['from']!r}; "
+                f"ShareGPT speakers are {', '.join(SHAREGPT_ROLES)}"
+            )
+        messages.append({"role": role, "content": message["value"]})
+    return messages
+
+
 def chat_segments(
-    rows: Rows, tokenizer: PreTrainedTokenizerBase, messages_field: str, train_on_inputs: bool, source: str
+    rows: Rows,
+    tokenizer: PreTrainedTokenizerBase,
+    messages_field: str,
+    train_on_inputs: bool,
+    source: str,
+    sharegpt: bool = False,
 ) -> list[Segments]:
     """Split each rendered conversation into prompt text and assistant text.
 
@@ -166,7 +237,7 @@ def chat_segments(
 
     if tokenizer.chat_template is None:
         raise DataError(
-            "data.format chat needs a chat template, and this tokenizer has none; "
+            f"data.format {'sharegpt' if sharegpt else 'chat'} needs a chat template, and this tokenizer has none; "
             "set tokenizer.chat_template in the recipe"
         )
 
@@ -177,7 +248,12 @@ def chat_segments(
 
     samples = []
     for index, row in rows:
-        messages = _check_messages(row[messages_field], messages_field, f"{source}, row {index}")
+        where = f"{source}, row {index}"
+        value = row[messages_field]
+        if sharegpt:
+            messages = sharegpt_messages(value, messages_field, where)
+        else:
+            messages = _check_messages(value, messages_field, where)
         try:
             if train_on_inputs:
                 samples.append([(render(messages), True)])
@@ -213,8 +289,13 @@ def _check_messages(messages: Any, field: str, where: str) -> list[dict]:
             and isinstance(message.get("role"), str)
             and isinstance(message.get("content"), str)
         ):
+            hint = (
+                "; these are ShareGPT turns: set data.format: sharegpt"
+                if isinstance(message, dict) and "from" in message and "value" in message
+                else ""
+            )
             raise DataError(
-                f"{where}: message {turn} of {field} needs text fields role and content, got {message!r}"
+                f"{where}: message {turn} of {field} needs text fields role and content, got {message!r}{hint}"
             )
     return messages
 
@@ -261,16 +342,21 @@ def tokenize_rows(
     tokenizer: PreTrainedTokenizerBase,
     *,
     train_on_inputs: bool,
-    messages_field: str,
+    messages_field: str | None,
     source: str,
 ) -> list[Sample]:
     """Rows of one split in the given format → samples (not yet truncated)."""
+    fmt = canonical_format(fmt)
     if fmt == "pretokenized":
         return pretokenized_samples(rows, len(tokenizer), source)
     if tokenizer.eos_token_id is None:
         raise DataError(f"data.format {fmt} appends an EOS token, and the tokenizer has none")
     if fmt == "alpaca":
         segments, special = alpaca_segments(rows, source), True
+    elif fmt == "prompt_completion":
+        segments, special = prompt_completion_segments(rows, source), True
     else:
-        segments, special = chat_segments(rows, tokenizer, messages_field, train_on_inputs, source), False
+        field = messages_field or default_messages_field(fmt)
+        segments = chat_segments(rows, tokenizer, field, train_on_inputs, source, sharegpt=fmt == "sharegpt")
+        special = False
     return encode_segments(tokenizer, segments, train_on_inputs=train_on_inputs, add_special_tokens=special)

@@ -7,6 +7,9 @@ together see the same rows whatever the world size (2 ranks × 2 rows = 1 rank �
 resumed run on a different number of GPUs keeps the data order, and skipping ``start``
 micro-batches resumes mid-epoch exactly. Rows that do not fill a last micro-batch on every
 rank are dropped (they come back in other epochs, in other positions).
+
+A `StreamingRows` dataset (``data.streaming``) has no length: its rows come in the stream's
+order, cut the same way, and its "epoch" is the whole run (see ligertune/data/streaming.py).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import numpy as np
 import torch
 
 from ligertune.data.formats import IGNORE_INDEX
+from ligertune.data.streaming import StreamingRows
 from ligertune.errors import DataError
 
 Batch = dict[str, torch.Tensor]
@@ -32,7 +36,7 @@ class MicroBatchLoader:
 
     def __init__(
         self,
-        dataset: Sequence[dict[str, torch.Tensor]],
+        dataset: Sequence[dict[str, torch.Tensor]] | StreamingRows,
         micro_batch_size: int,
         *,
         seed: int,
@@ -50,6 +54,9 @@ class MicroBatchLoader:
         self.micro_batch_size = micro_batch_size
         self.seed, self.pad_token_id, self.packing = seed, pad_token_id, packing
         self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
+        if isinstance(dataset, StreamingRows):
+            self.batches_per_epoch = dataset.micro_batches
+            return
         self.batches_per_epoch = len(dataset) // (micro_batch_size * world_size)
         if self.batches_per_epoch == 0:
             raise DataError(
@@ -68,11 +75,26 @@ class MicroBatchLoader:
         """This rank's micro-batches of `epoch`, skipping the first `start` (to resume)."""
         if not 0 <= start <= self.batches_per_epoch:
             raise ValueError(f"start must be in 0..{self.batches_per_epoch}, got {start}")
-        order = self.order(epoch)
         size = self.micro_batch_size
+        if isinstance(self.dataset, StreamingRows):
+            yield from self._iter_stream(epoch, start)
+            return
+        order = self.order(epoch)
         for i in range(start, self.batches_per_epoch):
             first = (i * self.world_size + self.rank) * size
             yield self.collate([self.dataset[int(j)] for j in order[first : first + size]])
+
+    def _iter_stream(self, epoch: int, start: int) -> Iterator[Batch]:
+        """Micro-batch i · world_size + rank of the stream, from `start` on (the rows before
+        are read and discarded: a stream cannot seek)."""
+        group = self.micro_batch_size * self.world_size
+        rows = self.dataset.rows(epoch)
+        for _ in range(start * group):
+            next(rows)
+        mine = slice(self.rank * self.micro_batch_size, (self.rank + 1) * self.micro_batch_size)
+        for _ in range(start, self.batches_per_epoch):
+            window = [next(rows) for _ in range(group)]
+            yield self.collate(window[mine])
 
     def collate(self, rows: list[dict[str, torch.Tensor]]) -> Batch:
         if self.packing:

@@ -23,8 +23,9 @@ predicts its first token, so masking it loses nothing in padding mode either.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
 from ligertune.data.formats import IGNORE_INDEX, Sample
@@ -108,19 +109,19 @@ def truncate_and_mask(samples: list[Sample], max_seq_len: int) -> tuple[list[Sam
     return kept, truncated, dropped
 
 
-def first_fit(samples: list[Sample], max_seq_len: int, window: int = OPEN_ROWS) -> list[list[Sample]]:
-    """Put each sample in the oldest of the last `window` rows that still has room for it.
+def first_fit(lengths: Sequence[int], max_seq_len: int, window: int = OPEN_ROWS) -> list[list[int]]:
+    """Put each sample (by its length) in the oldest of the last `window` rows that still has
+    room for it; returns each row's sample indices.
 
     Plain greedy packing (close a row as soon as the next sample does not fit) leaves the
     tail of every row empty; letting short samples fall back into recent rows fills them.
     The window bounds the work at O(samples × window) and keeps samples near their shuffled
     position. Deterministic: the same samples in the same order give the same rows.
     """
-    rows: list[list[Sample]] = []
+    rows: list[list[int]] = []
     room: list[int] = []
     open_rows: list[int] = []  # indices into rows, oldest first
-    for sample in samples:
-        size = len(sample.input_ids)
+    for index, size in enumerate(lengths):
         target = next((r for r in open_rows if room[r] >= size), None)
         if target is None:
             target = len(rows)
@@ -129,7 +130,7 @@ def first_fit(samples: list[Sample], max_seq_len: int, window: int = OPEN_ROWS) 
             open_rows.append(target)
             if len(open_rows) > window:
                 open_rows.pop(0)
-        rows[target].append(sample)
+        rows[target].append(index)
         room[target] -= size
         if room[target] == 0:
             open_rows.remove(target)
@@ -138,29 +139,53 @@ def first_fit(samples: list[Sample], max_seq_len: int, window: int = OPEN_ROWS) 
 
 def build_rows(samples: list[Sample], max_seq_len: int, pad_token_id: int, packed: bool) -> SequenceDataset:
     """Lay samples (already truncated to `max_seq_len`) out as packed or one-per-row rows."""
-    rows = [[s] for s in samples] if not packed else first_fit(samples, max_seq_len)
+    lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
+    ids = np.fromiter((t for s in samples for t in s.input_ids), dtype=np.int64, count=int(lengths.sum()))
+    labels = np.fromiter((t for s in samples for t in s.labels), dtype=np.int64, count=int(lengths.sum()))
+    return layout_rows(ids, labels, lengths, max_seq_len, pad_token_id, packed)
 
-    pieces: dict[str, list[torch.Tensor]] = {name: [] for name in FIELDS}
-    lengths, padding = [], 0
+
+def layout_rows(
+    ids: np.ndarray,
+    labels: np.ndarray,
+    lengths: np.ndarray,
+    max_seq_len: int,
+    pad_token_id: int,
+    packed: bool,
+) -> SequenceDataset:
+    """`build_rows` on samples stored flat (sample i is ``ids[starts[i]:starts[i] + lengths[i]]``),
+    as the cache holds them: the rows are gathered with numpy, without a Python object per token."""
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    rows = first_fit(lengths.tolist(), max_seq_len) if packed else [[i] for i in range(len(lengths))]
+    # The pieces of every row in order: samples (index ≥ 0) and the padding tail (-1).
+    order, tails = [], []
     for row in rows:
-        for sample in row:
-            pieces["input_ids"].append(torch.tensor(sample.input_ids, dtype=torch.int64))
-            pieces["labels"].append(torch.tensor(sample.labels, dtype=torch.int64))
-            pieces["position_ids"].append(torch.arange(len(sample.input_ids), dtype=torch.int64))
-        length = sum(len(s.input_ids) for s in row)
-        tail = max_seq_len - length if packed else 0
+        order += row
+        tail = max_seq_len - int(lengths[row].sum()) if packed else 0
         if tail:
-            pieces["input_ids"].append(torch.full((tail,), pad_token_id, dtype=torch.int64))
-            pieces["labels"].append(torch.full((tail,), IGNORE_INDEX, dtype=torch.int64))
-            pieces["position_ids"].append(torch.arange(tail, dtype=torch.int64))
-        padding += tail
-        lengths.append(length + tail)
-
-    flat = {
-        name: torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
-        for name, parts in pieces.items()
-    }
-    offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0)
+            order.append(-1)
+            tails.append(tail)
+    order_arr = np.array(order, dtype=np.int64)
+    is_pad = order_arr < 0
+    piece_len = np.where(is_pad, 0, lengths[np.maximum(order_arr, 0)])
+    piece_len[is_pad] = np.array(tails, dtype=np.int64)
+    piece_start = np.where(is_pad, -1, starts[np.maximum(order_arr, 0)])
+    total = int(piece_len.sum())
+    first = np.concatenate([[0], np.cumsum(piece_len)[:-1]])
+    within = np.arange(total, dtype=np.int64) - np.repeat(first, piece_len)
+    source = np.repeat(piece_start, piece_len) + within  # -1 + within for padding: fixed below
+    pad = np.repeat(is_pad, piece_len)
+    source[pad] = 0
+    flat_ids = np.where(pad, pad_token_id, ids[source] if len(ids) else 0)
+    flat_labels = np.where(pad, IGNORE_INDEX, labels[source] if len(labels) else 0)
+    row_lengths = [int(lengths[row].sum()) if not packed else max_seq_len for row in rows]
+    offsets = torch.tensor([0] + row_lengths, dtype=torch.int64).cumsum(0)
     return SequenceDataset(
-        **flat, offsets=offsets, max_seq_len=max_seq_len, packed=packed, num_padding=padding
+        torch.from_numpy(flat_ids.astype(np.int64)),
+        torch.from_numpy(flat_labels.astype(np.int64)),
+        torch.from_numpy(within),
+        offsets=offsets,
+        max_seq_len=max_seq_len,
+        packed=packed,
+        num_padding=int(sum(tails)),
     )

@@ -2,24 +2,56 @@
 
 Order of operations, all seeded by ``recipe.seed`` so every rank builds identical data:
 
-1. load ``data.split`` (and ``data.validation_split`` when set);
-2. shuffle the training rows (``data.shuffle``), keep the first ``data.max_samples``;
+1. load ``data.split`` of each source (``data.path``, or each dataset of ``data.mix``), and
+   ``data.validation_split`` when set;
+2. choose the training samples: one source is shuffled (``data.shuffle``) and cut to
+   ``data.max_samples``; a mix draws each source's share (below), then shuffles them together;
 3. hold out ``data.validation_fraction`` of those (a seeded random choice, whatever the order);
-4. tokenize in ``data.format``, truncate to ``data.max_seq_len`` (counted), mask each
-   sample's first label, drop samples left without a trained token (counted);
+4. tokenize in each source's format with `datasets.map` (batched; in several processes when
+   the data is large), truncate to ``data.max_seq_len`` (counted), mask each sample's first
+   label, drop samples left without a trained token (counted), and cache the result
+   (`ligertune.data.cache`): a later run with the same inputs, a resumed run and every arm of
+   a comparison load it instead;
 5. pack into rows of ``max_seq_len`` (``data.packing``) or keep one sample per row.
+
+Mixing (``data.mix``): the weights are relative shares of the mix's samples. The mix has
+``data.max_samples`` samples, by default as many as all its sources together, and source i
+contributes ``weight_i / Σ weights`` of them: a seeded random subset of its rows when that is
+fewer than it has, every row once plus a random subset of the rest again when more (so a small
+source weighted up is repeated). Equal weights on equal-sized sources use each row once.
+
+In a multi-process run, rank 0 tokenises and writes the cache while the others wait at a
+barrier, then every rank loads it (a rank that finds no cache entry, e.g. on another node
+without a shared disk, builds its own). ``data.streaming`` goes to `ligertune.data.streaming`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ligertune.data.formats import check_columns, columns_for, tokenize_rows
-from ligertune.data.packing import SequenceDataset, build_rows, truncate_and_mask
-from ligertune.data.sources import load_split
+from ligertune.data.cache import (
+    cache_root,
+    data_keys,
+    fingerprint,
+    load_entry,
+    tokenizer_fingerprint,
+    write_entry,
+)
+from ligertune.data.formats import Sample, check_columns, columns_for, tokenize_rows
+from ligertune.data.packing import SequenceDataset, layout_rows, truncate_and_mask
+from ligertune.data.prepared import DataStats, Log, PreparedData
+from ligertune.data.sources import SourceSpec, load_split, quiet_datasets, source_fingerprint, source_specs
+from ligertune.data.streaming import build_streaming
 from ligertune.errors import DataError
 
 if TYPE_CHECKING:
@@ -29,128 +61,346 @@ if TYPE_CHECKING:
     from ligertune.config import DataSection, Recipe
 
 # Independent random streams derived from the recipe seed, one per purpose.
-SHUFFLE_STREAM, HOLDOUT_STREAM = 0, 1
+SHUFFLE_STREAM, HOLDOUT_STREAM, MIX_STREAM = 0, 1, 2
+# Rows above which tokenising in several processes pays for starting them (about 1 s).
+PARALLEL_ROWS = 20_000
+MAP_BATCH = 1000
 
 
-@dataclass
-class DataStats:
-    """Counts for one split. `validation` holds the validation split's counts, when there is one."""
-
-    num_samples: int  # rows read from the source (after max_samples / hold-out)
-    num_truncated: int  # samples cut to max_seq_len
-    num_dropped: int  # samples with no trained token left (e.g. the response was truncated away)
-    num_sequences: int  # rows handed to the loader
-    num_tokens: int  # real tokens in those rows (packing padding not counted)
-    num_label_tokens: int  # tokens the loss is computed on
-    max_seq_len: int
-    packed: bool
-    validation: DataStats | None = None
-
-    def describe(self) -> str:
-        if self.packed:
-            layout = f"{self.num_sequences} packed sequences of {self.max_seq_len} tokens"
-            fill = self.num_tokens / max(1, self.num_sequences * self.max_seq_len)
-            layout += f" ({fill:.0%} filled)"
-        else:
-            layout = f"{self.num_sequences} sequences of ≤ {self.max_seq_len} tokens (padding mode)"
-        text = f"{self.num_samples} samples → {layout}; {self.num_truncated} truncated to {self.max_seq_len}"
-        if self.num_dropped:
-            text += f"; {self.num_dropped} dropped with no trainable tokens"
-        return text + f"; {self.num_label_tokens} of {self.num_tokens} tokens trained"
-
-
-@dataclass
-class PreparedData:
-    train: SequenceDataset
-    validation: SequenceDataset | None
-    stats: DataStats  # train counts; stats.validation for the validation split
-
-    def report(self) -> str:
-        """One line for the run log."""
-        text = self.stats.describe()
-        if self.stats.validation is not None:
-            text += f" | validation: {self.stats.validation.describe()}"
-        return text
-
-
-def build_datasets(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> PreparedData:
-    data = recipe.data
+def build_datasets(
+    recipe: Recipe,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    is_main: bool = True,
+    barrier: Callable[[], None] | None = None,
+    log: Log | None = None,
+) -> PreparedData:
+    """The recipe's train and validation rows. `is_main` and `barrier` come from the runtime of
+    a multi-process run (rank 0 builds the cache, the others wait); `log` receives progress
+    lines (counts and seconds) on the main rank."""
     if tokenizer.pad_token_id is None:
         raise DataError("the tokenizer has no pad token; load it with ligertune.data.load_tokenizer")
+    say: Log = log if (log is not None and is_main) else (lambda message: None)
+    if recipe.data.streaming:
+        return build_streaming(recipe, tokenizer, say)
+    builder = _Builder(recipe, tokenizer, say)
+    if not recipe.data.cache:
+        with tempfile.TemporaryDirectory(prefix="ligertune-data-") as work:
+            (Path(work) / "meta.json").write_text(json.dumps(builder.tokenise(Path(work))))
+            entry = load_entry(Path(work))
+            assert entry is not None  # just written
+            return _lay_out(*entry, recipe.data, tokenizer, None, say)
+    directory = builder.cache_directory()
+    if barrier is None:
+        entry = builder.load_or_build(directory)
+    elif is_main:
+        try:
+            entry = builder.load_or_build(directory)
+        finally:
+            barrier()  # reached even when the build failed: the others then rebuild and report it
+    else:
+        barrier()
+        entry = builder.load_or_build(directory)
+    return _lay_out(*entry, recipe.data, tokenizer, directory, say)
 
-    train_source, train_name = _load_checked(recipe, data.split)
-    order = np.arange(len(train_source))
-    if data.shuffle:
-        order = _rng(recipe.seed, SHUFFLE_STREAM).permutation(order)
-    if data.max_samples is not None:
-        order = order[: data.max_samples]
 
-    validation, validation_stats = None, None
-    if data.validation_split is not None:
-        val_source, val_name = _load_checked(recipe, data.validation_split)
-        validation, validation_stats = _prepare(
-            val_source, np.arange(len(val_source)), val_name, data, tokenizer
+def cache_entry(
+    recipe: Recipe, tokenizer: PreTrainedTokenizerBase, log: Log | None = None
+) -> tuple[Path, bool]:
+    """Build the recipe's cache entry ahead of training (``ligertune preprocess``); returns
+    its folder and whether it was already there."""
+    builder = _Builder(recipe, tokenizer, log or (lambda message: None))
+    directory = builder.cache_directory()
+    existed = (directory / "meta.json").is_file()
+    if not existed:
+        builder.load_or_build(directory)
+    return directory, existed
+
+
+class _Builder:
+    """Loads a recipe's sources lazily, keys the cache and tokenises the chosen rows."""
+
+    def __init__(self, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, log: Log):
+        self.recipe, self.data, self.tokenizer, self.log = recipe, recipe.data, tokenizer, log
+        self.specs = source_specs(recipe)
+        self._loaded: dict[tuple[int, str], tuple[datasets.Dataset, str]] = {}
+
+    def source(self, index: int, split: str) -> tuple[datasets.Dataset, str]:
+        key = (index, split)
+        if key not in self._loaded:
+            spec = self.specs[index]
+            dataset, name = load_split(spec, split)
+            check_columns(spec.format, dataset.column_names, name, spec.messages_field)
+            self._loaded[key] = dataset, name
+        return self._loaded[key]
+
+    def cache_directory(self) -> Path:
+        """The cache entry for these inputs. Local sources are keyed by their files' stats,
+        so a cache hit reads no source at all; hub sources are loaded (from the Hugging Face
+        cache when there) for the fingerprint of the snapshot."""
+        sources = []
+        for i, spec in enumerate(self.specs):
+            if spec.local is not None and not spec.local.exists():
+                raise DataError(f"{spec.key}: file not found: {spec.local}")
+            loaded = self.source(i, spec.split)[0] if spec.local is None else None
+            sources.append({**asdict(spec), "data": source_fingerprint(spec, loaded)})
+        key = fingerprint(
+            {
+                "sources": sources,
+                "tokenizer": tokenizer_fingerprint(self.tokenizer),
+                "data": data_keys(self.data),
+                "seed": self.recipe.seed,
+            }
         )
-    elif data.validation_fraction > 0:
-        held = max(1, round(len(order) * data.validation_fraction))
-        if held >= len(order):
-            raise DataError(
-                f"{train_name}: data.validation_fraction {data.validation_fraction} of {len(order)} samples "
-                "leaves nothing to train on; lower it or add data"
+        return cache_root(self.data) / key
+
+    def load_or_build(self, directory: Path) -> tuple[dict[str, datasets.Dataset], dict[str, Any]]:
+        start = time.perf_counter()
+        entry = load_entry(directory)
+        if entry is not None:
+            count = sum(entry[1]["splits"].values())
+            self.log(
+                f"loaded {count:,} tokenised samples from cache {directory} in {time.perf_counter() - start:.1f} s"
             )
-        chosen = np.zeros(len(order), dtype=bool)
-        chosen[_rng(recipe.seed, HOLDOUT_STREAM).choice(len(order), held, replace=False)] = True
-        validation, validation_stats = _prepare(train_source, order[chosen], train_name, data, tokenizer)
-        order = order[~chosen]
+            return entry
+        write_entry(directory, self.tokenise)
+        self.log(f"cached the tokenised samples at {directory}")
+        entry = load_entry(directory)
+        assert entry is not None  # just written
+        return entry
 
-    train, stats = _prepare(train_source, order, train_name, data, tokenizer)
-    if len(train) == 0:
-        raise DataError(
-            f"{train_name}: no training samples left after dropping those with no trainable tokens"
+    def tokenise(self, work: Path) -> dict[str, Any]:
+        """Choose, tokenise and save every split into `work`; returns the meta to save with them."""
+        start = time.perf_counter()
+        train, validation = self.choose()
+        scratch = work / "map"
+        with quiet_datasets():  # our own lines report the work, once
+            splits = {"train": self.tokenise_split("train", train, scratch)}
+            if validation is not None:
+                splits["validation"] = self.tokenise_split("validation", validation, scratch)
+            for name, split in splits.items():
+                split.save_to_disk(str(work / name))
+        shutil.rmtree(scratch, ignore_errors=True)
+        count = sum(len(s) for s in splits.values())
+        self.log(f"tokenised {count:,} samples in {time.perf_counter() - start:.1f} s")
+        return {"splits": {name: len(split) for name, split in splits.items()}}
+
+    # -- which rows ------------------------------------------------------------------------
+
+    def choose(self) -> tuple[np.ndarray, np.ndarray | None]:
+        """Training and validation samples as [n, 2] arrays of (source index, row)."""
+        data, seed = self.data, self.recipe.seed
+        sizes = [len(self.source(i, spec.split)[0]) for i, spec in enumerate(self.specs)]
+        if len(self.specs) == 1:
+            rows = np.arange(sizes[0])
+            if data.shuffle:
+                rows = _rng(seed, SHUFFLE_STREAM).permutation(rows)
+            if data.max_samples is not None:
+                rows = rows[: data.max_samples]
+            order = np.stack([np.zeros_like(rows), rows], axis=1)
+        else:
+            order = self.mix_order(sizes)
+
+        validation = None
+        if data.validation_split is not None:
+            validation = np.concatenate(
+                [
+                    np.stack([np.full(n, i), np.arange(n)], axis=1)
+                    for i in range(len(self.specs))
+                    for n in [len(self.source(i, data.validation_split)[0])]
+                ]
+            )
+        elif data.validation_fraction > 0:
+            held = max(1, round(len(order) * data.validation_fraction))
+            if held >= len(order):
+                name = self.source(0, self.specs[0].split)[1] if len(self.specs) == 1 else "data.mix"
+                raise DataError(
+                    f"{name}: data.validation_fraction {data.validation_fraction} of {len(order)} samples "
+                    "leaves nothing to train on; lower it or add data"
+                )
+            chosen = np.zeros(len(order), dtype=bool)
+            chosen[_rng(seed, HOLDOUT_STREAM).choice(len(order), held, replace=False)] = True
+            validation, order = order[chosen], order[~chosen]
+        return order, validation
+
+    def mix_order(self, sizes: list[int]) -> np.ndarray:
+        """Each source's share of the mix (see the module docstring), shuffled together."""
+        data, seed = self.data, self.recipe.seed
+        weights = np.array([spec.weight for spec in self.specs])
+        total = data.max_samples or sum(sizes)
+        counts = mix_counts(weights, total)
+        parts = []
+        for i, (count, size) in enumerate(zip(counts, sizes, strict=True)):
+            passes = -(-count // size)
+            rng = np.random.default_rng([seed, MIX_STREAM, i])
+            rows = [rng.permutation(size) if data.shuffle else np.arange(size) for _ in range(passes)]
+            parts.append(np.stack([np.full(count, i), np.concatenate(rows)[:count]], axis=1))
+            name = self.source(i, self.specs[i].split)[1]
+            repeat = f" (×{count / size:.2f})" if count > size else ""
+            self.log(
+                f"mix: {count:,} samples from {name} ({size:,} rows, weight {self.specs[i].weight:g}){repeat}"
+            )
+        order = np.concatenate(parts)
+        if data.shuffle:
+            order = order[_rng(seed, SHUFFLE_STREAM).permutation(len(order))]
+        return order
+
+    # -- tokenising ------------------------------------------------------------------------
+
+    def tokenise_split(self, split: str, order: np.ndarray, scratch: Path) -> datasets.Dataset:
+        """The samples of `order`, in that order: each source's rows mapped in one batched
+        `datasets.map`, then the sources interleaved back."""
+        import datasets
+
+        parts, positions = [], []
+        for i, spec in enumerate(self.specs):
+            mine = np.flatnonzero(order[:, 0] == i)
+            if len(mine) == 0:
+                continue
+            source_split = spec.split if split == "train" else (self.data.validation_split or spec.split)
+            source, name = self.source(i, source_split)
+            parts.append(self._map(source, order[mine, 1], spec, name, scratch / f"{split}-{i}.arrow"))
+            positions.append(mine)
+        tokenised = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+        if len(parts) > 1:
+            where = np.empty(len(order), dtype=np.int64)
+            where[np.concatenate(positions)] = np.arange(len(order))
+            tokenised = tokenised.select(where)
+        return tokenised
+
+    def _map(
+        self, source: datasets.Dataset, rows: np.ndarray, spec: SourceSpec, name: str, cache_file: Path
+    ) -> datasets.Dataset:
+
+        required, optional = columns_for(spec.format, spec.messages_field)
+        columns = [c for c in required + optional if c in source.column_names]
+        selected = source.select_columns(columns).select(rows.tolist())
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        num_proc = min(8, os.cpu_count() or 1) if len(rows) > PARALLEL_ROWS else 1
+        return selected.map(
+            tokenize_batch,
+            batched=True,
+            batch_size=MAP_BATCH,
+            with_indices=True,
+            remove_columns=columns,
+            features=sample_features(),
+            num_proc=num_proc if num_proc > 1 else None,
+            cache_file_name=str(cache_file),
+            new_fingerprint=f"{cache_file.stem}-{os.getpid()}-{time.time_ns()}",
+            fn_kwargs={
+                "rows": rows,
+                "fmt": spec.format,
+                "tokenizer": self.tokenizer,
+                "train_on_inputs": self.data.train_on_inputs,
+                "messages_field": spec.messages_field,
+                "max_seq_len": self.data.max_seq_len,
+                "source": name,
+            },
         )
-    stats.validation = validation_stats
-    return PreparedData(train, validation, stats)
 
 
-def _load_checked(recipe: Recipe, split: str) -> tuple[datasets.Dataset, str]:
-    source, name = load_split(recipe, split)
-    check_columns(recipe.data.format, source.column_names, name, recipe.data.messages_field)
-    return source, name
+def sample_features() -> datasets.Features:
+    """The columns of a cached sample (int32 ids: half the disk and memory of int64)."""
+    import datasets
+
+    return datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "labels": datasets.Sequence(datasets.Value("int32")),
+            "truncated": datasets.Value("bool"),
+            "dropped": datasets.Value("bool"),
+        }
+    )
 
 
-def _rng(seed: int, stream: int) -> np.random.Generator:
-    return np.random.default_rng([seed, stream])
+def tokenize_batch(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    rows: np.ndarray,
+    fmt: str,
+    tokenizer,
+    train_on_inputs: bool,
+    messages_field: str | None,
+    max_seq_len: int,
+    source: str,
+) -> dict:
+    """One `datasets.map` batch → samples, truncated and masked. `rows` maps a position in the
+    selection back to the row number in the source, which error messages name. Dropped samples
+    stay (empty) so that they are counted."""
+    columns = list(batch)
+    numbered = ((int(rows[i]), {c: batch[c][k] for c in columns}) for k, i in enumerate(indices))
+    samples = tokenize_rows(
+        fmt,
+        numbered,
+        tokenizer,
+        train_on_inputs=train_on_inputs,
+        messages_field=messages_field,
+        source=source,
+    )
+    out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "dropped": []}
+    for sample in samples:
+        kept, truncated, _ = truncate_and_mask([sample], max_seq_len)
+        sample = kept[0] if kept else Sample([], [])
+        out["input_ids"].append(sample.input_ids)
+        out["labels"].append(sample.labels)
+        out["truncated"].append(bool(truncated))
+        out["dropped"].append(not kept)
+    return out
 
 
-def _prepare(
-    source: datasets.Dataset,
-    indices: np.ndarray,
-    name: str,
+def mix_counts(weights: np.ndarray, total: int) -> list[int]:
+    """`total` split in proportion to `weights`, rounded so that the counts add up (largest
+    remainders first), each source getting at least one sample."""
+    shares = weights / weights.sum() * total
+    counts = np.floor(shares).astype(np.int64)
+    for i in np.argsort(-(shares - counts), kind="stable")[: total - counts.sum()]:
+        counts[i] += 1
+    return [max(1, int(c)) for c in counts]
+
+
+def _lay_out(
+    splits: dict[str, datasets.Dataset],
+    meta: dict[str, Any],
     data: DataSection,
     tokenizer: PreTrainedTokenizerBase,
+    directory: Path | None,
+    log: Log,
+) -> PreparedData:
+    start = time.perf_counter()
+    train, stats = _rows(splits["train"], data, tokenizer.pad_token_id)
+    if len(train) == 0:
+        raise DataError(
+            f"{data.path or 'data.mix'}: no training samples left after dropping those with no trainable tokens"
+        )
+    validation = None
+    if "validation" in splits:
+        validation, stats.validation = _rows(splits["validation"], data, tokenizer.pad_token_id)
+    layout = f"packed into rows of {data.max_seq_len}" if data.packing else "laid out one per row"
+    log(
+        f"{stats.num_samples - stats.num_dropped:,} samples {layout}: {len(train):,} rows in {time.perf_counter() - start:.1f} s"
+    )
+    return PreparedData(train, validation, stats, directory)
+
+
+def _rows(
+    samples: datasets.Dataset, data: DataSection, pad_token_id: int
 ) -> tuple[SequenceDataset, DataStats]:
-    """Tokenize the rows at `indices` (in that order) and lay them out."""
-    required, optional = columns_for(data.format, data.messages_field)
-    columns = [c for c in required + optional if c in source.column_names]
-    table = source.select_columns(columns).select(indices.tolist()).to_dict()
-    rows = (
-        (int(i), dict(zip(columns, values, strict=True)))
-        for i, *values in zip(indices, *(table[c] for c in columns), strict=True)
-    )
-    samples = tokenize_rows(
-        data.format,
-        rows,
-        tokenizer,
-        train_on_inputs=data.train_on_inputs,
-        messages_field=data.messages_field,
-        source=name,
-    )
-    samples, truncated, dropped = truncate_and_mask(samples, data.max_seq_len)
-    dataset = build_rows(samples, data.max_seq_len, tokenizer.pad_token_id, data.packing)
+    """Cached samples → rows, read as flat Arrow buffers (no Python object per token)."""
+    import pyarrow.compute as pc
+
+    table = samples.with_format("arrow")[:]
+    ids_col = table.column("input_ids").combine_chunks()
+    labels_col = table.column("labels").combine_chunks()
+    dropped = table.column("dropped").to_numpy(zero_copy_only=False)
+    lengths = pc.list_value_length(ids_col).to_numpy(zero_copy_only=False).astype(np.int64)
+    ids = ids_col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    labels = labels_col.flatten().to_numpy(zero_copy_only=False).astype(np.int64)
+    dataset = layout_rows(ids, labels, lengths[~dropped], data.max_seq_len, pad_token_id, data.packing)
     stats = DataStats(
-        num_samples=len(indices),
-        num_truncated=truncated,
-        num_dropped=dropped,
+        num_samples=len(samples),
+        num_truncated=int(table.column("truncated").to_numpy(zero_copy_only=False).sum()),
+        num_dropped=int(dropped.sum()),
         num_sequences=len(dataset),
         num_tokens=dataset.num_tokens,
         num_label_tokens=dataset.num_label_tokens,
@@ -158,3 +408,7 @@ def _prepare(
         packed=data.packing,
     )
     return dataset, stats
+
+
+def _rng(seed: int, stream: int) -> np.random.Generator:
+    return np.random.default_rng([seed, stream])

@@ -8,6 +8,10 @@ through the same ``datasets.load_dataset`` call. A single local file is the spli
 syntax error surfaces as a generic DatasetGenerationError. So text files are checked for
 UTF-8 before loading (one streaming pass), and when loading fails the file is re-read to find
 the line at fault. The successful path costs one UTF-8 pass and nothing else.
+
+A hub dataset may name a config (``data.subset``: ``load_dataset(path, subset)``). With
+``data.streaming`` the split is an `IterableDataset` read lazily (``streaming=True``); its
+columns are checked on its first row, since a stream's features may be unknown.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,39 +31,111 @@ from ligertune.paths import looks_local
 if TYPE_CHECKING:
     import datasets
 
-    from ligertune.config import Recipe
+    from ligertune.config import DataSection, Recipe
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 TEXT_SUFFIXES = (".json", ".jsonl", ".csv")
 
 
-def load_split(recipe: Recipe, split: str) -> tuple[datasets.Dataset, str]:
-    """One split of ``recipe.data.path`` and a name for it to use in messages."""
-    spec = recipe.data.path
-    if not looks_local(spec):
-        name = f"{spec} (split {split})"
-        dataset = _load_hub(spec, split)
+@dataclass(frozen=True)
+class SourceSpec:
+    """One dataset of a recipe: ``data.path``, or one entry of ``data.mix`` with the data
+    section's values filled in where the entry leaves a key unset."""
+
+    key: str  # the recipe key naming it, for messages: data.path or data.mix[i].path
+    path: str  # as written in the recipe
+    local: Path | None  # resolved path of a local dataset; None for a hub id
+    format: str
+    split: str
+    subset: str | None
+    messages_field: str | None
+    weight: float = 1.0
+
+
+def source_specs(recipe: Recipe) -> list[SourceSpec]:
+    data: DataSection = recipe.data
+
+    def spec(key: str, path: str, **own) -> SourceSpec:
+        values = {k: (v if v is not None else getattr(data, k)) for k, v in own.items()}
+        local = recipe.resolve(path) if looks_local(path) else None
+        return SourceSpec(key, path, local, **values)
+
+    if not data.mix:
+        if data.path is None:
+            raise DataError("data.path: required key is missing (or list several datasets under data.mix)")
+        return [spec("data.path", data.path, format=None, split=None, subset=None, messages_field=None)]
+    return [
+        spec(
+            f"data.mix[{i}].path",
+            s.path,
+            format=s.format,
+            split=s.split,
+            subset=s.subset,
+            messages_field=s.messages_field,
+            weight=s.weight,
+        )
+        for i, s in enumerate(data.mix)
+    ]
+
+
+def load_split(
+    spec: SourceSpec, split: str, streaming: bool = False
+) -> tuple[datasets.Dataset | datasets.IterableDataset, str]:
+    """One split of a dataset and a name for it to use in messages."""
+    if spec.local is None:
+        name = f"{spec.path} (split {split})" + (f", subset {spec.subset}" if spec.subset else "")
+        dataset = _load_hub(spec, split, streaming)
     else:
-        path = recipe.resolve(spec)
+        path = spec.local
         if not path.exists():
-            raise DataError(f"data.path: file not found: {path}")
+            raise DataError(f"{spec.key}: file not found: {path}")
+        if spec.subset is not None:
+            raise DataError(f"data.subset: {spec.subset!r} names a hub config, but {path} is a local dataset")
         name = str(path)
         dataset = _load_dir(path, split) if path.is_dir() else _load_file(path, split)
-    if len(dataset) == 0:
+        if streaming:
+            dataset = dataset.to_iterable_dataset()
+    if streaming:
+        if next(iter(dataset.take(1)), None) is None:
+            raise DataError(f"{name}: the dataset is empty (split {split} has no rows)")
+    elif len(dataset) == 0:
         raise DataError(f"{name}: the dataset is empty (split {split} has no rows)")
     return dataset, name
 
 
-def _load_hub(spec: str, split: str) -> datasets.Dataset:
+def stream_columns(dataset: datasets.IterableDataset) -> list[str]:
+    """A stream's columns: from its features when known, else from its first row."""
+    if dataset.column_names is not None:
+        return list(dataset.column_names)
+    return list(next(iter(dataset.take(1))))
+
+
+def source_fingerprint(spec: SourceSpec, dataset: datasets.Dataset) -> dict:
+    """What identifies the data read: each local file's path, size and modification time, or
+    for a hub dataset its id, config and `datasets`' fingerprint of the snapshot loaded (which
+    follows the revision the hub served: the cached Arrow files are per revision)."""
+    if spec.local is None:
+        return {"hub": spec.path, "subset": spec.subset, "snapshot": dataset._fingerprint}
+    files = sorted(p for p in spec.local.rglob("*") if p.is_file()) if spec.local.is_dir() else [spec.local]
+    return {
+        "local": str(spec.local.resolve()),
+        "files": [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files],
+    }
+
+
+def _load_hub(spec: SourceSpec, split: str, streaming: bool) -> datasets.Dataset:
     import datasets
 
+    kwargs = {"name": spec.subset} if spec.subset else {}
+    if streaming:
+        kwargs["streaming"] = True
     try:
-        return datasets.load_dataset(spec, split=split)
+        return datasets.load_dataset(spec.path, split=split, **kwargs)
     except ValueError as e:
-        raise DataError(f"data.path {spec}: {_first_line(e)}") from None
+        raise DataError(f"{spec.key} {spec.path}: {_first_line(e)}") from None
     except Exception as e:  # network, authentication, missing repository: all say the same to the user
         raise DataError(
-            f"data.path: cannot load {spec!r} from the hub ({type(e).__name__}: {_first_line(e)}); "
+            f"{spec.key}: cannot load {spec.path!r} from the hub ({type(e).__name__}: {_first_line(e)}); "
             "no local file has that name either"
         ) from None
 
@@ -74,7 +151,7 @@ def _load_file(path: Path, split: str) -> datasets.Dataset:
     if builder in ("json", "csv"):
         check_utf8(path)
     try:
-        with _quiet_datasets():
+        with quiet_datasets():
             return datasets.load_dataset(builder, data_files={"train": str(path)}, split=split)
     except Exception as e:
         raise _diagnose(path, split, e) from None
@@ -94,7 +171,7 @@ def _load_dir(path: Path, split: str) -> datasets.Dataset:
         if file.suffix.lower() in TEXT_SUFFIXES and file.is_file():
             check_utf8(file)
     try:
-        with _quiet_datasets():
+        with quiet_datasets():
             return datasets.load_dataset(str(path), split=split)
     except Exception as e:
         raise DataError(f"{path}: cannot load split {split!r}: {_root_message(e)}") from None
@@ -179,7 +256,7 @@ def _root_message(error: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
+def quiet_datasets() -> Iterator[None]:
     """Silence `datasets` logging and progress bars for local loads: failures are reported by us."""
     import datasets
 

@@ -12,6 +12,7 @@ from ligertune.config import Recipe
 from ligertune.config.deepspeed import deepspeed_config
 from ligertune.distributed.runtime import ProcessGroupRuntime
 from ligertune.errors import RecipeError
+from ligertune.models.build import build_model
 
 
 class DeepSpeedRuntime(ProcessGroupRuntime):
@@ -44,6 +45,19 @@ class DeepSpeedRuntime(ProcessGroupRuntime):
     ``deepspeed/`` in the checkpoint directory; a resume needs the same number of ranks. The
     export is DeepSpeed's consolidated 16-bit state dict under ZeRO-3 (the module's own state
     dict below it), gathered on rank 0.
+
+    Sharded initialisation (``parallel.sharded_init``, on by default at stage 3): the model is
+    built inside ``deepspeed.zero.Init``, which partitions each module's parameters as soon as
+    the module is constructed, so a rank holds one module's full weights at most, never the
+    model's. transformers does it for us while an ``HfDeepSpeedConfig`` of our config is alive
+    (`build_model` keeps one for the duration of the build only: it switches transformers'
+    ZeRO-3 code paths on process-wide): ``from_pretrained`` then loads the checkpoint into the
+    partitions, module by module. A random init is not left to transformers' ZeRO-3 variant,
+    which draws its random numbers in another order than the plain build and so gives other
+    weights for the same seed: rank 0 makes the plain seeded init (as under fsdp, see
+    `ProcessGroupRuntime.whole_model_on_rank0`) and copies it into the partitions, each
+    module's gathered with ``GatheredParameters(modifier_rank=0)``, which scatters rank 0's
+    values. The weights then equal the unsharded ZeRO-3 run's bit for bit.
     """
 
     strategy = "deepspeed"
@@ -54,6 +68,8 @@ class DeepSpeedRuntime(ProcessGroupRuntime):
         super().__init__(recipe)
         self.options = recipe.parallel.deepspeed
         self.config = deepspeed_config(recipe)
+        self.sharded_init = recipe.parallel.shards_at_init
+        self.recipe = recipe
         self.engine = None
         if recipe.model.config is not None and recipe.training.precision == "bf16-mixed":
             self.notice = (
@@ -67,18 +83,77 @@ class DeepSpeedRuntime(ProcessGroupRuntime):
     def param_device(self) -> torch.device:
         return torch.device("cpu") if self.options.offload_optimizer else self.device
 
+    def build_model(self, recipe):
+        if not self.sharded_init:
+            return super().build_model(recipe)
+        import deepspeed
+        from transformers.integrations import HfDeepSpeedConfig
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        source = None
+        if recipe.model.config is not None:  # random init: rank 0's plain seeded one, copied in below
+            if self.is_main:
+                source = self.whole_model_on_rank0(recipe, build_model(recipe, self.device, empty=True))
+        zero3 = HfDeepSpeedConfig(
+            copy.deepcopy(self.config)
+        )  # transformers builds under zero.Init while it lives
+        try:
+            model = build_model(recipe, self.device)
+        finally:
+            del zero3
+        if recipe.model.config is not None:
+            with torch.no_grad():
+                for name, module in model.named_modules():
+                    params = list(module.parameters(recurse=False))
+                    if not params:
+                        continue
+                    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                        if source is not None:
+                            own = source.get_submodule(name)
+                            for key, param in module.named_parameters(recurse=False):
+                                param.copy_(getattr(own, key))
+            del source
+            self.share_init_rng_state()
+        return model
+
     def wrap(self, model, make_optimizer):
         import deepspeed
 
         # DeepSpeed logs its whole config and every step at INFO on every rank.
         deepspeed.utils.logger.setLevel(logging.WARNING)
-        optimizer = make_optimizer(model, self.param_device)
+        if any(hasattr(p, "ds_shape") for p in model.parameters()):  # built inside zero.Init
+            optimizer = self._optimizer_by_full_shapes(model, make_optimizer)
+        else:
+            optimizer = make_optimizer(model, self.param_device)
         self.engine, _, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=copy.deepcopy(self.config), dist_init_required=False
         )
         # The torch optimizer stays the one the schedule drives: ZeRO steps it with its
         # param_groups (lr included), over the flat fp32 partitions it put there.
         return self.engine, optimizer
+
+    def _optimizer_by_full_shapes(self, model, make_optimizer):
+        """The optimizer `make_optimizer` builds, over a model whose parameters zero.Init has
+        already replaced by empty placeholders. The optimizer's parameter groups may depend on
+        shapes (no weight decay on vectors: ``p.ndim < 2``), which the placeholders (all of
+        shape (0,)) would get wrong. So the optimizer is built over the model's empty meta
+        twin, whose parameters have the real shapes and cost nothing, and each twin parameter
+        is then replaced by the real one of the same name; an optimizer keeps parameters in
+        its ``param_groups`` only until its first step."""
+        twin = build_model(self.recipe, self.device, empty=True)
+        real = dict(model.named_parameters())
+        names = {id(p): name for name, p in twin.named_parameters()}
+        if set(real) != set(names.values()):  # a plugin added or renamed parameters
+            raise RecipeError(
+                [
+                    "parallel.sharded_init: the transformed model's parameters are not the architecture's "
+                    f"(e.g. {sorted(set(real) ^ set(names.values()))[:2]}); set parallel.sharded_init=false"
+                ]
+            )
+        optimizer = make_optimizer(twin, self.param_device)
+        for group in optimizer.param_groups:
+            group["params"] = [real[names[id(p)]] for p in group["params"]]
+        return optimizer
 
     def unwrap(self, model):
         return model.module

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
 from ligertune.config import Recipe
-from ligertune.distributed.runtime import ProcessGroupRuntime
-from ligertune.models.build import decoder_layers
+from ligertune.distributed.runtime import ProcessGroupRuntime, has_frozen_parameters
+from ligertune.models.build import build_model, decoder_layers
 
 
 class FSDPRuntime(ProcessGroupRuntime):
@@ -35,6 +37,21 @@ class FSDPRuntime(ProcessGroupRuntime):
     Checkpoints ("dcp"): every rank writes its shards with torch.distributed.checkpoint; a
     resume may use another number of ranks (DCP reshards on load). The export gathers the full
     state dict onto rank 0's CPU.
+
+    Sharded initialisation (``parallel.sharded_init``, on by default): `build_model` returns
+    the model on the meta device (shapes only), `wrap` shards that empty model, allocates only
+    this rank's shards (``to_empty``) and fills them from rank 0: rank 0 builds the model whole
+    *in CPU memory* (``from_pretrained`` on the CPU, or the seeded random init) and
+    ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends each tensor in turn, every
+    rank keeping its slice. So no GPU ever holds the whole model, and the weights are exactly
+    those of a plain build (same loader, same seeded init). The price is one copy of the model
+    in rank 0's host memory (a 70B model in bf16: 140 GB), which an 8-GPU host has, and a
+    broadcast of every weight at start. Non-persistent buffers (rotary ``inv_freq``) are in
+    no state dict; they are broadcast from rank 0's model too, which needs no knowledge of how
+    a family computes them. A random init is made where the plain build makes it (rank 0's
+    GPU, so the weights equal a one-GPU run's bit for bit) unless the model would take more
+    than half of that GPU's free memory; then on the CPU, whose random numbers differ from
+    CUDA's (the run log says so).
     """
 
     strategy = "fsdp"
@@ -42,8 +59,10 @@ class FSDPRuntime(ProcessGroupRuntime):
 
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)
+        self.recipe = recipe
         self.options = recipe.parallel.fsdp
         self.precision = recipe.training.precision
+        self.sharded_init = recipe.parallel.shards_at_init
 
     @property
     def param_device(self) -> torch.device:
@@ -63,15 +82,51 @@ class FSDPRuntime(ProcessGroupRuntime):
             offload_policy=CPUOffloadPolicy() if self.options.cpu_offload else OffloadPolicy(),
         )
 
+    def build_model(self, recipe):
+        if not self.sharded_init:
+            return super().build_model(recipe)
+        return build_model(recipe, self.device, empty=True)
+
     def wrap(self, model, make_optimizer):
         from torch.distributed.fsdp import fully_shard
 
-        model = model.to(self.device)
+        empty = any(p.is_meta for p in model.parameters())
+        if not empty:
+            model = model.to(self.device)
         options = self._shard_options()
         for layer in decoder_layers(model):
             fully_shard(layer, **options)
         fully_shard(model, **options)
+        if empty:
+            self._fill_shards(model)
         return model, make_optimizer(model, self.param_device)
+
+    # -- sharded initialisation -----------------------------------------------------------
+
+    def _fill_shards(self, model: nn.Module) -> None:
+        """Allocate this rank's shards of the sharded meta model and fill them with rank 0's
+        weights. *Collective.*"""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # Shards where the optimizer wants them (the CPU under offload); buffers (never
+        # sharded) on the device, where the forward reads them.
+        model.to_empty(device=self.param_device)
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != self.device:
+                    module._buffers[name] = torch.empty_like(buffer, device=self.device)
+        source = self.whole_model_on_rank0(self.recipe, model) if self.is_main else None
+        full_state = source.state_dict() if source is not None else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
+        set_model_state_dict(model, full_state, options=options)
+        # Buffers, persistent or not (these are in no state dict): rank 0's values to all.
+        source_buffers = dict(source.named_buffers()) if source is not None else {}
+        for name, buffer in model.named_buffers():
+            if source is not None:
+                buffer.copy_(source_buffers[name])
+            dist.broadcast(buffer, src=0)
+        del full_state, source_buffers, source
+        self.share_init_rng_state()
 
     def clip_grad_norm(self, model, max_norm):
         from torch.distributed.tensor import DTensor
@@ -94,7 +149,7 @@ class FSDPRuntime(ProcessGroupRuntime):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=_state_options(model))
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory / "dcp")
 
     def load_state(self, checkpoint, model, optimizer):
@@ -103,7 +158,21 @@ class FSDPRuntime(ProcessGroupRuntime):
 
         self._check_format(checkpoint)
         # Load in place into state dicts of this run's sharding (the saved one may differ).
-        model_state, optimizer_state = get_state_dict(model, optimizer)
+        options = _state_options(model)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=checkpoint.path / "dcp")
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+        )
+
+
+def _state_options(model: nn.Module):
+    """Checkpoint state options: with frozen parameters (LoRA), the trained ones only (the frozen
+    ones come back from the recipe; see `ligertune.distributed.runtime.trainable_state`), loaded
+    non-strictly since the frozen keys are absent; DCP's load still fails on any key of this
+    run's trained parameters the checkpoint lacks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    frozen = has_frozen_parameters(model)
+    return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)

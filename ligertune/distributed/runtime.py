@@ -44,6 +44,7 @@ from torch import nn
 from ligertune.config import Recipe
 from ligertune.distributed.env import has_rendezvous, launched_as
 from ligertune.errors import RecipeError
+from ligertune.models.build import build_model
 from ligertune.run.checkpoint import FULL_FORMAT, Checkpoint, write_full_state
 
 # (module, where its parameters live) -> the optimizer over them; see `Runtime.wrap`.
@@ -61,6 +62,9 @@ class Runtime:
     checkpoint_format = FULL_FORMAT
     # A line for the run log about how this strategy trains this recipe, or None.
     notice: str | None = None
+    # Whether `build_model` returns an empty (meta) model that `wrap` shards and then fills
+    # (``parallel.sharded_init``; see `ligertune.distributed.fsdp`).
+    sharded_init: bool = False
 
     def __init__(self, device: torch.device, rank: int = 0, local_rank: int = 0, world_size: int = 1):
         self.device = device
@@ -99,6 +103,12 @@ class Runtime:
         """Wait until every rank reaches this point. *Collective.*"""
 
     # -- model and optimisation ----------------------------------------------------------
+
+    def build_model(self, recipe: Recipe) -> nn.Module:
+        """The model the transforms and then `wrap` get. Here it is built whole, its weights on
+        this process's device; a strategy with `sharded_init` returns it on the meta device
+        instead and materialises only its shards in `wrap`."""
+        return build_model(recipe, self.device)
 
     def wrap(
         self, model: nn.Module, make_optimizer: OptimizerFactory
@@ -147,14 +157,14 @@ class Runtime:
     def save_state(self, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Write the model and optimizer state into a checkpoint directory, in
         `checkpoint_format` (`ligertune.checkpoint` owns the rest). *Collective.*"""
-        state = self.full_model_state_dict(model)
+        state = trainable_state(self.unwrap(model), self.full_model_state_dict(model))
         if self.is_main:
             write_full_state(directory, state, optimizer.state_dict())
 
     def load_state(self, checkpoint: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Restore what `save_state` wrote. *Collective.*"""
         self._check_format(checkpoint)
-        self.unwrap(model).load_state_dict(checkpoint.model)
+        load_trainable_state(self.unwrap(model), checkpoint.model, checkpoint.path)
         optimizer.load_state_dict(checkpoint.optimizer)
 
     def _check_format(self, checkpoint: Checkpoint) -> None:
@@ -175,6 +185,49 @@ class Runtime:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(strategy={self.strategy}, rank={self.rank}/{self.world_size}, device={self.device})"
+
+
+# --------------------------------------------------------------------------------------------
+# Adapter-only checkpoints (LoRA): the state of the parameters that train
+# --------------------------------------------------------------------------------------------
+
+
+def has_frozen_parameters(module: nn.Module) -> bool:
+    """Whether some parameters do not train (LoRA freezes the base model): checkpoints then hold
+    only the trained ones, since the frozen ones are rebuilt from the recipe at resume."""
+    return any(not p.requires_grad for p in module.parameters())
+
+
+def trainable_state(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` (the module's state dict) restricted to the parameters that require grad, when
+    some do not; unchanged otherwise (full fine-tuning). For an 8B model with r=16 adapters
+    this is ~170 MB instead of 16 GB per checkpoint."""
+    if not has_frozen_parameters(module):
+        return state
+    trained = {name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trained}
+
+
+def load_trainable_state(module: nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
+    """Load a `trainable_state` checkpoint: strictly for full fine-tuning; with frozen
+    parameters, every trained parameter must be in it and nothing else (the frozen ones keep the
+    values the recipe built), else RecipeError naming the mismatch."""
+    if not has_frozen_parameters(module):
+        module.load_state_dict(state)
+        return
+    trained = {name for name, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+    missing, unexpected = sorted(trained - set(state)), sorted(set(state) - trained)
+    if missing or unexpected:
+        shown = (missing or unexpected)[:3]
+        what = "lacks trained parameters" if missing else "holds parameters this run does not train"
+        raise RecipeError(
+            [
+                f"checkpoint.resume: {where} {what} ({', '.join(shown)}, ...; {len(missing)} missing, "
+                f"{len(unexpected)} unexpected): it was saved by a run with other lora settings (or without "
+                "lora); resume with those, or start over with checkpoint.resume=none"
+            ]
+        )
+    module.load_state_dict(state, strict=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -227,6 +280,47 @@ class ProcessGroupRuntime(Runtime):
     def shutdown(self) -> None:
         if self._owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+    # -- sharded initialisation (fsdp, ZeRO-3) -----------------------------------------------
+
+    _init_rng_state: list | None = None
+
+    def whole_model_on_rank0(self, recipe: Recipe, empty: nn.Module) -> nn.Module:
+        """Rank 0's whole model, the source of every rank's shards in a sharded init: the plain
+        build, so its weights are exactly those of an unsharded run. Pretrained weights are
+        loaded into CPU memory. A random init is made where the plain build makes it (this
+        rank's device: CUDA and CPU draw different random numbers for the same seed) when it
+        takes less than half of the GPU's free memory (`empty`, the meta model, says how
+        much); else on the CPU, and the run log says the weights differ from a one-GPU run's.
+        The RNG state right after the init is kept for `share_init_rng_state`."""
+        device = torch.device("cpu")
+        if recipe.model.config is not None and self.device.type == "cuda":
+            needed = sum(p.numel() * p.element_size() for p in empty.parameters())
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if needed < free // 2:
+                device = self.device
+            else:
+                self.notice = (
+                    f"sharded init: the random init ({needed / 2**30:.1f} GiB) was made on rank 0's CPU, not its "
+                    "GPU: same distribution, other random numbers than a one-GPU run of this recipe"
+                )
+        model = build_model(recipe, device)
+        self._init_rng_state = [
+            torch.get_rng_state(),
+            torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
+        ]
+        return model
+
+    def share_init_rng_state(self) -> None:
+        """Every rank continues from rank 0's RNG state right after its init, as after a plain
+        build, where every rank drew the same init numbers from the same seed (rank 0 alone drew
+        them here). *Collective.*"""
+        states = self._init_rng_state or [None, None]
+        dist.broadcast_object_list(states, src=0)
+        self._init_rng_state = None
+        torch.set_rng_state(states[0])
+        if states[1] is not None:
+            torch.cuda.set_rng_state(states[1], self.device)
 
 
 def resolve_device(choice: str, local_rank: int = 0) -> torch.device:

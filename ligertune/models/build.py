@@ -30,6 +30,7 @@ from torch import nn
 
 from ligertune.errors import RecipeError
 from ligertune.models.architectures import SHIPPED_CONFIGS
+from ligertune.models.attention import choose_attention
 from ligertune.paths import looks_local
 
 if TYPE_CHECKING:  # the schema is a layer above: models are built from its values, never import it
@@ -111,24 +112,43 @@ def build_config(recipe: Recipe):
     return AutoConfig.for_model(model_type, **{**mapping, **overrides})
 
 
-def build_model(recipe: Recipe, device: torch.device):
-    """Load or randomly initialise the causal LM, its parameters materialised on `device`."""
+def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
+    """Load or randomly initialise the causal LM, its parameters materialised on `device`.
+
+    ``empty=True`` builds the same architecture on the meta device instead: shapes and dtypes
+    only, no memory, no weights read and no random numbers drawn (whatever the source). The
+    sharded strategies use it (``parallel.sharded_init``) to shard the model before any rank
+    holds it whole, then fill the shards (`ligertune.distributed.fsdp`). `device` still
+    decides the attention backend, so the empty model is the one a plain build would make."""
     from transformers import AutoModelForCausalLM
 
     config = build_config(recipe)
     dtype = param_dtype(recipe.training.precision)
+    attention, _ = choose_attention(
+        recipe.model.attn_implementation, device.type == "cuda", recipe.data.packing
+    )
     common = dict(
         dtype=dtype,
-        attn_implementation=recipe.model.attn_implementation,
+        attn_implementation=attention,
         trust_remote_code=recipe.model.trust_remote_code,
     )
-    if recipe.model.config is None:
+    if recipe.model.quantize != "none" and not empty:
+        model = _build_quantized(recipe, config, device, common)
+    elif empty:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, **common)
+    elif recipe.model.config is None:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        # Under DeepSpeed's zero.Init (a sharded ZeRO-3 build) the partitions decide where
+        # the weights go; transformers refuses a device_map there.
+        placement = {} if is_deepspeed_zero3_enabled() else dict(device_map=str(device))
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 _model_source(recipe),
                 config=config,
                 revision=recipe.model.revision,
-                device_map=str(device),
+                **placement,
                 **common,
             )
         except OSError as e:
@@ -143,6 +163,54 @@ def build_model(recipe: Recipe, device: torch.device):
     model.config.use_cache = False
     _check_loss_kwargs(model)
     return model
+
+
+def quantization_config(quantize: str):
+    """transformers' ``BitsAndBytesConfig`` for ``model.quantize``: QLoRA's 4-bit recipe (NF4 —
+    levels at the quantiles of a normal distribution, where trained weights lie; double
+    quantisation — the per-64-weight absmax scales themselves quantised to 8 bits, ~0.4 bit per
+    weight saved; bf16 compute — each 4-bit tile is dequantised to bf16 for the matmul), or
+    LLM.int8() for 8bit. The lm_head is left out (transformers' default), so the fused linear
+    cross entropy still reads a plain weight."""
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def _build_quantized(recipe: Recipe, config, device: torch.device, common: dict):
+    """The model with its linear layers quantised by bitsandbytes as they load (``model.quantize``).
+
+    bitsandbytes quantises weights on their way in through ``from_pretrained``. A random-init
+    model (``model.config``, the benchmarks) takes the same path: it is initialised as an
+    unquantised build would be (seeded, on `device`), written to a temporary folder and loaded
+    back quantised, so a quantised benchmark trains the unquantised benchmark's weights, rounded
+    to 4 or 8 bits (at 8B that is ~16 GB of temporary disk per process and half a minute)."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    load = dict(common, quantization_config=quantization_config(recipe.model.quantize), device_map=str(device))
+    if recipe.model.config is None:
+        try:
+            return AutoModelForCausalLM.from_pretrained(
+                _model_source(recipe), config=config, revision=recipe.model.revision, **load
+            )
+        except OSError as e:
+            raise _load_problem(recipe, "weights", e) from None
+    torch.manual_seed(recipe.seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, **common)
+    with tempfile.TemporaryDirectory(prefix="ligertune-quantize-") as tmp:
+        model.save_pretrained(tmp)
+        del model
+        return AutoModelForCausalLM.from_pretrained(tmp, **load)
 
 
 def _check_loss_kwargs(model: nn.Module) -> None:

@@ -17,6 +17,7 @@ Both keep HF's targets and normalisation: labels shifted by one (or ``shift_labe
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -71,6 +72,73 @@ def _lm_head_is_fused(lm_head: nn.Module) -> bool:
     return getattr(forward, "__func__", None) is _fused_lm_head_forward
 
 
+# -- the lm_head after peft (lora) wrapped it ------------------------------------------------
+#
+# peft is duck-typed here (the patching layer does not depend on it): a LoRA layer has
+# ``base_layer``, ``lora_A``/``lora_B`` (ModuleDicts by adapter name), ``scaling``, ``lora_dropout``;
+# a ``modules_to_save`` wrapper has ``original_module`` and ``modules_to_save``.
+
+
+def _lora_head_loss(head: nn.Module, adapter: str, hidden_states, target=None, **loss_options):
+    """The fused linear cross entropy of a LoRA-adapted lm_head, exactly, dropout included.
+
+    The adapted logits are ``h·Wᵀ + s·(drop(h)·Aᵀ)·Bᵀ`` (A: r × H, B: V × r, s = alpha/r). That
+    is one matmul over concatenated operands::
+
+        [h | s·drop(h)·Aᵀ] · [W | B]ᵀ        hidden N × (H + r), weight V × (H + r)
+
+    so the kernel runs unchanged on r more columns, and the [N, V] logits still never exist.
+    Merging instead (W + s·B·A per call) costs the same V × H copy but is wrong with dropout,
+    which applies to the adapter's input only. The price, against a frozen lm_head: the copy of
+    W (V × (H + r), 1 GB at Llama-3's 128256 × 4096 in bf16) and the kernel's weight gradient,
+    V × (H + r) (one more N·V·H matmul, as large as the logits' own, and its fp32 accumulator),
+    of which only B's r columns are used. Against HF's loss it saves the [N, V] logits and their
+    gradient (4.2 GB in fp32 at 8192 tokens). Under FSDP2 the lm_head belongs to the root unit,
+    whose parameters are all gathered while the causal LM's forward runs, as for a plain head."""
+    base = head.base_layer
+    a, b = head.lora_A[adapter], head.lora_B[adapter]
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    low = a(head.lora_dropout[adapter](flat).to(a.weight.dtype)) * head.scaling[adapter]
+    widened = torch.cat([flat, low.to(flat.dtype)], dim=-1)
+    weight = torch.cat([base.weight, b.weight.to(base.weight.dtype)], dim=1)
+    return flce_kernel.fused_linear_cross_entropy(widened, weight, target, base.bias, **loss_options)
+
+
+def fused_head(head: nn.Module):
+    """(how to compute the loss from the hidden states through the fused kernel, a description)
+    for the module at ``lm_head``, or (None, why it cannot) — then HF's own loss runs.
+
+    Handled: our patched Linear (frozen or trained); peft's ``modules_to_save`` copy of it (a
+    fully trained lm_head); a peft LoRA layer over it with one active, unmerged, plain adapter
+    (`_lora_head_loss`). DoRA, a LoRA bias, several active adapters or a merged adapter fall
+    back to HF's forward, which calls the wrapper and materialises the logits."""
+    if _lm_head_is_fused(head):
+        return head, "fused"
+    copies = getattr(head, "modules_to_save", None)
+    if isinstance(copies, nn.ModuleDict) and hasattr(head, "original_module"):
+        active = head.original_module if head.disable_adapters else copies[head.active_adapters[0]]
+        if _lm_head_is_fused(active):
+            return active, "fused (a trained copy of the lm_head, modules_to_save)"
+        return None, f"the lm_head's trained copy is {type(active).__name__}"
+    if isinstance(getattr(head, "lora_A", None), nn.ModuleDict) and hasattr(head, "base_layer"):
+        if not _lm_head_is_fused(head.base_layer):
+            return None, "the LoRA layer's base is not our patched lm_head"
+        adapters = [a for a in head.active_adapters if a in head.lora_A]
+        why = None
+        if head.disable_adapters or head.merged or not adapters:
+            return head.base_layer, "fused (adapter merged or disabled)"
+        if len(adapters) > 1:
+            why = f"{len(adapters)} active adapters"
+        elif head.use_dora.get(adapters[0]):
+            why = "DoRA (its magnitude rescales every output row)"
+        elif getattr(head, "lora_bias", {}).get(adapters[0]):
+            why = "a LoRA bias"
+        if why:
+            return None, f"LoRA on the lm_head with {why}: HF's loss over materialised logits"
+        return functools.partial(_lora_head_loss, head, adapters[0]), "fused with the LoRA adapter ([h | s·A·h]·[W | B]ᵀ)"
+    return None, f"lm_head is {type(head).__name__}"
+
+
 def _fused_causal_lm_forward(
     self,
     input_ids=None,
@@ -95,11 +163,13 @@ def _fused_causal_lm_forward(
     (gradient accumulation), else the mean over non-ignored tokens. Gemma 2/3's final-logit
     softcap is applied inside the kernel. ``kwargs`` go to the base model, as in HF.
 
-    Anything else (no labels, eval mode, or an lm_head that is no longer our patched Linear,
-    e.g. wrapped by PEFT after patching) runs HF's own forward unchanged.
+    An lm_head that peft wrapped after patching (LoRA, modules_to_save) goes through the kernel
+    too where `fused_head` can compute it exactly. Anything else (no labels, eval mode, an lm_head
+    the kernel cannot compute) runs HF's own forward unchanged.
     """
     hf_forward = type(self).forward
-    if labels is None or not self.training or not _lm_head_is_fused(self.lm_head):
+    head_loss = fused_head(self.lm_head)[0] if labels is not None and self.training else None
+    if head_loss is None:
         return hf_forward(
             self,
             input_ids=input_ids,
@@ -126,7 +196,7 @@ def _fused_causal_lm_forward(
     slice_indices = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     ignore_index = kwargs.get("ignore_index", -100)
     target = shift_targets(labels, ignore_index, kwargs.get("shift_labels")).to(hidden_states.device)
-    loss = self.lm_head(
+    loss = head_loss(
         hidden_states[:, slice_indices, :],
         target=target,
         ignore_index=ignore_index,

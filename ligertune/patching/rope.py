@@ -11,10 +11,19 @@ rebinding of module globals is not seen). The kernel takes HF's signature and ro
 ``cos.shape[-1]`` channels, which covers Phi3's partial rotary; Gemma3's local/global layers
 pass their own cos/sin, so nothing is needed. This needs the family's attention class, so a
 family missing from the table gets no RoPE kernel.
+
+The copy is the namespace of a module of its own, registered in ``sys.modules`` under
+``ligertune.patching.rope.scopes.<modeling module>``, because torch.compile finds an inlined
+function's globals by the ``__name__`` in them: it guards on ``sys.modules[__name__].<global>``.
+With HF's ``__name__`` left in the copy, those guards would read HF's module instead of the
+copy: its ``apply_rotary_pos_emb`` (whose ``__kwdefaults__`` is None where ours has
+``in_place``, the crash of issue #15), and an identity check on a function that is not the one
+traced, failing on every call. With the copy's own name they read the copy.
 """
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
 
@@ -26,6 +35,21 @@ ROPE_NAME = "apply_rotary_pos_emb"
 _ROPE_FORWARDS: dict[Callable, Callable] = {}
 
 
+def _kernel_scope(hf_globals: dict) -> dict:
+    """The namespace of the module ``scopes.<HF module>``: a copy of ``hf_globals`` with our
+    ``apply_rotary_pos_emb``, created (and registered in ``sys.modules``) on first use."""
+    name = f"{__name__}.scopes.{hf_globals['__name__']}"
+    module = sys.modules.get(name)
+    if module is None:
+        module = types.ModuleType(name)
+        vars(module).update(hf_globals)
+        # Its own identity: neither importlib nor torch.compile may take it for the HF module.
+        module.__name__, module.__spec__ = name, None
+        setattr(module, ROPE_NAME, rope_kernel.apply_rotary_pos_emb)
+        sys.modules[name] = module
+    return vars(module)
+
+
 def rope_forward_for(hf_forward: Callable) -> Callable | str:
     """The attention forward that calls our RoPE kernel, or the reason there cannot be one."""
     if not isinstance(hf_forward, types.FunctionType) or hasattr(hf_forward, "__wrapped__"):
@@ -34,8 +58,7 @@ def rope_forward_for(hf_forward: Callable) -> Callable | str:
         return f"{hf_forward.__qualname__} does not call {ROPE_NAME} by name"
     forward = _ROPE_FORWARDS.get(hf_forward)
     if forward is None:
-        scope = dict(hf_forward.__globals__)
-        scope[ROPE_NAME] = rope_kernel.apply_rotary_pos_emb
+        scope = _kernel_scope(hf_forward.__globals__)
         forward = types.FunctionType(
             hf_forward.__code__, scope, hf_forward.__name__, hf_forward.__defaults__, hf_forward.__closure__
         )

@@ -29,8 +29,9 @@ MFU (model FLOPs utilisation)
 Sinks
     A JSONL file (``metrics.jsonl`` in the run directory, appended across resumes; one object
     per line with an ``event`` of ``start``, ``train``, ``eval`` or ``summary``), the console
-    (a rich progress bar with ETA on a terminal, plain lines otherwise), TensorBoard scalars
-    when enabled and installed, and an end-of-run summary table.
+    (a rich progress bar with ETA on a terminal, plain lines otherwise), ``train.log`` (every
+    line, timestamped), the metric loggers the recipe selects (TensorBoard, W&B, MLflow:
+    `ligertune.run.loggers`), and an end-of-run summary table.
 
     Each JSONL record goes out in one ``write()`` of the whole line and its newline, on a file
     opened with ``O_APPEND``: a line is never split between two writes (nor between two
@@ -44,10 +45,12 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import math
 import os
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,16 @@ from rich.console import Console
 from rich.table import Table
 
 from ligertune.errors import TrainingError
+from ligertune.run.loggers import (
+    LOGGER,
+    ConsoleHandler,
+    close_train_log,
+    console_handler,
+    open_metric_loggers,
+    open_train_log,
+    render_text,
+    scalars,
+)
 
 # Dense (no sparsity) bf16 tensor-core peak in TFLOP/s, by a substring of
 # torch.cuda.get_device_name(). Looked up longest key first, so "H100 PCIe" wins over "H100".
@@ -311,8 +324,12 @@ class RunSummary:
 
 
 class MetricsLogger:
-    """Writes records to the JSONL file, the console and TensorBoard. Only the main rank
-    should create one; every method is cheap and never touches the GPU."""
+    """Writes records to the JSONL file, the console, train.log and the metric loggers. Only the
+    main rank should create one; every method is cheap and never touches the GPU.
+
+    Lines go through the ``ligertune`` logging logger (`ligertune.run.loggers`): through the
+    console handler the CLI installed (``--quiet``/``--verbose`` apply), or, for library use
+    without one, a handler on this logger's console that lives as long as it does."""
 
     def __init__(
         self,
@@ -322,16 +339,36 @@ class MetricsLogger:
         progress: str = "auto",
         tensorboard: bool = False,
         console: Console | None = None,
+        loggers: Sequence[str] = (),
+        options: Mapping[str, Any] | None = None,
+        config: Mapping[str, Any] | None = None,
     ):
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self.total_steps = total_steps
-        self.console = console or Console(highlight=False)
+        installed = console_handler()
+        self._own_handler: ConsoleHandler | None = None
+        self._replaced: logging.Handler | None = None
+        if console is not None or installed is None:
+            # Library use, or a caller that hands its own console: print through that console.
+            self.console = console or Console(highlight=False)
+            self._own_handler = ConsoleHandler(self.console, installed.level if installed else logging.INFO)
+            if installed is not None:
+                LOGGER.removeHandler(installed)
+            self._replaced = installed
+            LOGGER.addHandler(self._own_handler)
+            if LOGGER.getEffectiveLevel() > logging.DEBUG:
+                LOGGER.setLevel(logging.DEBUG)
+        else:
+            self.console = installed.console
+        self._quiet = (self._own_handler or installed).level > logging.INFO
+        self._train_log = open_train_log(run_dir)
         repaired = repair_torn_tail(self.path)
         if repaired:
-            self.info(repaired)
+            LOGGER.warning(repaired)
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        use_rich = progress == "rich" or (progress == "auto" and sys.stdout.isatty())
+        # --quiet: no bar either (warnings, errors and the summary only).
+        use_rich = not self._quiet and (progress == "rich" or (progress == "auto" and sys.stdout.isatty()))
         self._progress = None
         if use_rich:
             from rich.progress import (
@@ -355,34 +392,27 @@ class MetricsLogger:
             )
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
             self._progress.start()
-        self._tensorboard = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                self.info(
-                    "logging.tensorboard is on but tensorboard is not installed (pip install tensorboard); skipping it"
-                )
-            else:
-                self._tensorboard = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        names = list(loggers) + (["tensorboard"] if tensorboard else [])
+        self._sinks = open_metric_loggers(names, run_dir, options or {}, config or {})
 
     def info(self, message: str) -> None:
-        # soft_wrap: a plain line stays one line in a log file, whatever the terminal width.
-        self.console.print(message, markup=False, highlight=False, soft_wrap=True)
+        LOGGER.info(message)
+
+    def debug(self, message: str) -> None:
+        """Shown with --verbose; always in train.log."""
+        LOGGER.debug(message)
+
+    def warning(self, message: str) -> None:
+        LOGGER.warning(message)
 
     def write(self, record: dict[str, Any]) -> None:
         record = {k: _json_safe(v) for k, v in record.items()}
         record.setdefault("time", time.time())
         self._append((json.dumps(record) + "\n").encode())
-        if self._tensorboard is not None and "step" in record:
-            prefix = record["event"]
-            for key, value in record.items():
-                if (
-                    isinstance(value, (int, float))
-                    and not isinstance(value, bool)
-                    and key not in ("step", "time")
-                ):
-                    self._tensorboard.add_scalar(f"{prefix}/{key}", value, record["step"])
+        if self._sinks and "step" in record:
+            values = scalars(record)
+            for sink in self._sinks:
+                sink.log(record["event"], values, record["step"])
 
     def _append(self, line: bytes) -> None:
         """One write() of the whole line (see the module docstring). A regular file takes it
@@ -419,9 +449,12 @@ class MetricsLogger:
         )
 
     def summary(self, summary: RunSummary) -> None:
+        """The summary table, printed even with --quiet (it is the run's result), and in train.log."""
         self.write(summary.as_record())
         self.close_progress()
-        self.console.print(summary.table())
+        table = summary.table()
+        self.console.print(table)
+        LOGGER.info("summary\n" + render_text(table), extra={"console": False})
 
     def close_progress(self) -> None:
         if self._progress is not None:
@@ -430,8 +463,17 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.close_progress()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+        if self._train_log is not None:
+            close_train_log(self._train_log)
+            self._train_log = None
+        if self._own_handler is not None:
+            LOGGER.removeHandler(self._own_handler)
+            if self._replaced is not None:
+                LOGGER.addHandler(self._replaced)
+            self._own_handler = None

@@ -19,14 +19,37 @@ from ligertune.patching.registry import DEFAULT_KERNELS
 class Provider:
     kernels: tuple[str, ...]  # our kernels this provider turns on (every other one is off)
     overrides: tuple[str, ...] = field(default_factory=tuple)  # any other recipe overrides
+    # The attention backend where the recipe leaves it to `auto`. The Hugging Face baselines run
+    # what transformers picks by default (SDPA), as their users run them; ours runs `auto`.
+    default_attention: str | None = None
 
-    def recipe_overrides(self) -> list[str]:
+    def extra_overrides(self, recipe_attention: str = "auto") -> list[str]:
+        """The overrides besides the kernel switches, for a recipe whose
+        ``model.attn_implementation`` is `recipe_attention`."""
+        attention = (
+            [f"model.attn_implementation={self.default_attention}"]
+            if self.default_attention and recipe_attention == "auto"
+            else []
+        )
+        return [*attention, *self.overrides]
+
+    def recipe_overrides(self, recipe_attention: str = "auto") -> list[str]:
         """All of it as overrides: kernels off, this provider's on, then its other overrides."""
-        return ["kernels=none", *(f"kernels.{k}=true" for k in self.kernels), *self.overrides]
+        return [
+            "kernels=none",
+            *(f"kernels.{k}=true" for k in self.kernels),
+            *self.extra_overrides(recipe_attention),
+        ]
 
 
+# The first three are the benchmarks' defaults; the others show what one setting buys.
 PROVIDERS: dict[str, Provider] = {
-    "eager": Provider(()),  # the Hugging Face model as built
+    "eager": Provider((), default_attention="sdpa"),  # the Hugging Face model as built
     "ligertune": Provider(DEFAULT_KERNELS),  # our kernels, the selection of `kernels: all`
-    "liger": Provider((), ("plugins=[liger]",)),  # Liger-Kernel's instance patch
+    "liger": Provider((), ("plugins=[liger]",), default_attention="sdpa"),  # Liger-Kernel's instance patch
+    "eager-compile": Provider((), ("training.compile=true",), default_attention="sdpa"),
+    "ligertune-sdpa": Provider(DEFAULT_KERNELS, default_attention="sdpa"),  # ours without the packed-row backend
+    "ligertune-compile": Provider(DEFAULT_KERNELS, ("training.compile=true",)),
+    "ligertune-compile-fp8": Provider(DEFAULT_KERNELS, ("training.compile=true", "training.fp8=rowwise")),
 }
+DEFAULT_PROVIDERS: tuple[str, ...] = ("eager", "ligertune", "liger")

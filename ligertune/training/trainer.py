@@ -44,6 +44,7 @@ Stopping early
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import signal
 import time
@@ -71,7 +72,7 @@ from ligertune.run.metrics import (
     peak_bf16_flops,
     peak_memory_gib,
 )
-from ligertune.training.export import export_hf
+from ligertune.training.export import export_hf, push_export
 from ligertune.training.optim import autocast_for, build_optimizer, build_scheduler
 from ligertune.training.resume import data_order, resume, resume_path
 from ligertune.training.signals import StopSignal
@@ -126,6 +127,7 @@ class Trainer:
         if problems:
             raise RecipeError(problems)
         self.runtime = create_runtime(recipe)
+        self.log = logging.getLogger("ligertune").info if self.runtime.is_main else self.log
         # Before anything is written: a second run on this output_dir stops here (ligertune.run.lock).
         self.lock = RunLock.acquire(recipe.run_dir) if self.runtime.is_main else None
         self.device = self.runtime.device
@@ -139,7 +141,13 @@ class Trainer:
         """Tokenizer, datasets, and the train and validation loaders of this rank."""
         recipe, runtime = self.recipe, self.runtime
         self.tokenizer = load_tokenizer(recipe)
-        self.datasets = build_datasets(recipe, self.tokenizer)
+        self.datasets = build_datasets(
+            recipe,
+            self.tokenizer,
+            is_main=runtime.is_main,
+            barrier=runtime.barrier,
+            log=self.log,
+        )
         loader_args = dict(
             seed=recipe.seed,
             pad_token_id=self.tokenizer.pad_token_id,
@@ -167,14 +175,28 @@ class Trainer:
 
     def _setup_model(self) -> None:
         recipe, training, runtime = self.recipe, self.training, self.runtime
-        model = build_model(recipe, runtime.init_device)
+        # Whole on this device, or empty (meta) when the strategy shards it first (sharded init).
+        started = time.perf_counter()
+        model = runtime.build_model(recipe)
         check_vocab(model, self.tokenizer)
-        # Counted before wrapping: sharded strategies (ZeRO-3) leave empty parameters behind.
-        self.model_flops = flops_per_token(model, recipe.data.max_seq_len)
-        self.parameters, self.model_class = sum(p.numel() for p in model.parameters()), type(model).__name__
+        # Counted before wrapping: sharded strategies (ZeRO-3) leave empty parameters behind, and a
+        # model built inside zero.Init has them from the start: count on its empty twin then.
+        counted = model
+        if any(p.numel() == 0 for p in model.parameters()):
+            counted = build_model(recipe, runtime.device, empty=True)
+        self.model_flops = flops_per_token(counted, recipe.data.max_seq_len)
+        self.parameters, self.model_class = sum(p.numel() for p in counted.parameters()), type(model).__name__
+        self.log(
+            f"built {self.model_class} ({_count(self.parameters)} parameters) in {time.perf_counter() - started:.1f} s"
+        )
         self.hf_model, self.transform_reports = apply_transforms(model, recipe)
+        started = time.perf_counter()
         self.model, self.optimizer = runtime.wrap(
             self.hf_model, lambda module, where: build_optimizer(module, training, where)
+        )
+        self.log(
+            f"{'' if runtime.strategy == 'none' else f'wrapped the model for {runtime.strategy}, '}"
+            f"built the optimizer in {time.perf_counter() - started:.1f} s"
         )
         self.scheduler = build_scheduler(self.optimizer, training, self.total_steps)
         self.autocast = partial(autocast_for, training.precision, self.device)
@@ -211,7 +233,9 @@ class Trainer:
                 self.total_steps,
                 self.step,
                 progress=recipe.logging.progress,
-                tensorboard=recipe.logging.tensorboard,
+                loggers=recipe.logging.selected_loggers(),
+                options=recipe.logging.model_dump(),
+                config=recipe.model_dump(mode="json"),
             )
             self.log = self.metrics.info
             self.log(self.datasets.report())
@@ -421,7 +445,8 @@ class Trainer:
 
     def _save(self, at_step: int, position: tuple[int, int]) -> Path:
         # Every rank takes part: each writes its share of the state (sharded strategies).
-        return self.checkpoints.save_from(
+        started = time.perf_counter()
+        path = self.checkpoints.save_from(
             self.runtime,
             at_step,
             write_state=lambda directory: self.runtime.save_state(directory, self.model, self.optimizer),
@@ -435,6 +460,8 @@ class Trainer:
             },
             recipe_yaml=recipe_to_yaml(self.recipe),
         )
+        self.log(f"saved step-{at_step} to {path} in {time.perf_counter() - started:.1f} s")
+        return path
 
     def _save_unless_saved(self) -> None:
         if self.last_saved != self.checkpoints.path_for(self.step):
@@ -448,10 +475,20 @@ class Trainer:
             if self.eval_loader is not None and not (eval_every and self.step % eval_every == 0):
                 self.eval_loss = self._evaluate()
             if self.recipe.checkpoint.export_hf:
+                started = time.perf_counter()
                 export_dir = export_hf(
-                    self.model, self.tokenizer, self.runtime, self.recipe.run_dir / "final"
+                    self.model,
+                    self.tokenizer,
+                    self.runtime,
+                    self.recipe.run_dir / "final",
+                    merge=self.recipe.export.merge_lora,
                 )
-                self.log(f"exported the model in Hugging Face format to {export_dir}")
+                self.log(
+                    f"exported the model in Hugging Face format to {export_dir} in {time.perf_counter() - started:.1f} s"
+                )
+                pushed = push_export(export_dir, self.recipe.export, self.runtime)
+                if pushed:
+                    self.log(f"uploaded the export to {pushed}")
         if self.metrics is not None:
             allocated, reserved = peak_memory_gib(self.device)
             extra = {"skipped steps": self.skipped, "checkpoint": str(self.last_saved)}
@@ -489,6 +526,14 @@ class Trainer:
             self.runtime.shutdown()
         if self.lock is not None:
             self.lock.release()
+
+
+def _count(n: int) -> str:
+    """A parameter count as people say it: 1.24B, 350.0M, 4.1k."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.{2 if suffix == 'B' else 1}f}{suffix}"
+    return str(n)
 
 
 def train(recipe: Recipe, *, on_step_end: Callable[[StepRecord], bool | None] | None = None) -> TrainResult:

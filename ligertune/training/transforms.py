@@ -1,6 +1,6 @@
 """The ordered list of model transforms: what happens to the built model before it is wrapped.
 
-    build_model → kernels → plugins → activation checkpointing → compile → runtime.wrap
+    build_model → attention → kernels → plugins → lora → fp8 → activation checkpointing → compile → runtime.wrap
 
 Each `ModelTransform` says when it applies and what it does; `apply_transforms` runs them in
 `TRANSFORMS` order and returns the model (a transform may return a new one, as an adapter
@@ -28,6 +28,8 @@ from torch import nn
 from ligertune.config import Recipe
 from ligertune.config.schema import BUILTIN_PLUGINS
 from ligertune.errors import RecipeError
+from ligertune.lora import apply_lora
+from ligertune.models.attention import choose_attention, install_document_mask
 from ligertune.models.build import decoder_layers
 from ligertune.patching.apply import patch_model
 from ligertune.patching.report import PatchReport
@@ -39,6 +41,18 @@ class ModelTransform:
     applies: Callable[[Recipe], bool]
     # → (the model to go on with, what to report in the run log or None)
     apply: Callable[[nn.Module, Recipe], tuple[nn.Module, object | None]]
+
+
+def _attention(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
+    """Reports the backend `build_model` chose; for packed rows, installs the document mask
+    (`ligertune.models.attention`), a forward pre-hook on the causal LM that every later
+    transform and wrapper leaves in place."""
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    implementation, why = choose_attention(recipe.model.attn_implementation, on_cuda, recipe.data.packing)
+    report = f"attention: {implementation} ({why})"
+    if recipe.data.packing:
+        report += f"; {install_document_mask(model)}"
+    return model, report
 
 
 def _kernels(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, PatchReport]:
@@ -65,6 +79,58 @@ def _plugins(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
     return model, f"plugins applied: {', '.join(recipe.plugins)}"
 
 
+def _lora(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
+    """peft LoRA adapters (`ligertune.lora.apply_lora`); returns the peft model. After the kernels
+    and plugins: they find Hugging Face's module classes and patch forwards, and our patched MLP
+    and loss forwards call the projections and the lm_head as modules, so they call the LoRA
+    layers peft puts there (the other order would leave the kernels looking for nn.Linear layers
+    that are gone). Before checkpointing and compile, which must see the final modules, and
+    before wrap, whose FSDP2 units then hold frozen base weights and trainable adapters together
+    and whose optimizer gets the adapters only (`build_optimizer` takes what requires grad)."""
+    return apply_lora(model, recipe)
+
+
+def fp8_layers(model: nn.Module) -> tuple[set[nn.Module], int]:
+    """The linear layers FP8 is applied to, and how many decoder-layer linears are left out.
+
+    Only the decoder layers' projections: the loss head stays in the model's precision (the
+    fused linear cross entropy reads ``lm_head.weight`` itself, and the logits' precision
+    matters most to the loss), and FP8 matmuls need both dimensions divisible by 16."""
+    chosen, left_out = set(), 0
+    for layer in decoder_layers(model):
+        for module in layer.modules():
+            if isinstance(module, nn.Linear):
+                if module.in_features % 16 == 0 and module.out_features % 16 == 0:
+                    chosen.add(module)
+                else:
+                    left_out += 1
+    return chosen, left_out
+
+
+def _fp8(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
+    """torchao's float8 training: each chosen ``nn.Linear`` becomes a ``Float8Linear`` that casts
+    its input, weight and output gradient to float8 with the recipe's scaling (``rowwise``: one
+    scale per row, closer to bf16 numerics; ``tensorwise``: one per tensor, faster) and runs
+    ``torch._scaled_mm``. torchao's own choice of the linear layers is replaced by
+    `fp8_layers`. Without ``training.compile`` the casts run as separate kernels and eat the
+    gain, which the log says."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    chosen, left_out = fp8_layers(model)
+    names = {id(m) for m in chosen}
+    convert_to_float8_training(
+        model,
+        config=Float8LinearConfig.from_recipe_name(recipe.training.fp8),
+        module_filter_fn=lambda module, fqn: id(module) in names,
+    )
+    report = f"fp8 ({recipe.training.fp8} scaling): {len(chosen)} linear layers of the decoder layers"
+    if left_out:
+        report += f"; {left_out} with a dimension not divisible by 16 stay in {recipe.training.precision}"
+    if not recipe.training.compile:
+        report += "; without training.compile the float8 casts run eagerly and cost more than they save"
+    return model, report
+
+
 def _activation_checkpointing(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, None]:
     if not model.supports_gradient_checkpointing:
         raise RecipeError(
@@ -88,8 +154,11 @@ def _compile(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, None]:
 
 
 TRANSFORMS: tuple[ModelTransform, ...] = (
+    ModelTransform("attention", lambda r: True, _attention),
     ModelTransform("kernels", lambda r: bool(r.kernels.enabled()), _kernels),
     ModelTransform("plugins", lambda r: bool(r.plugins), _plugins),
+    ModelTransform("lora", lambda r: r.lora is not None, _lora),
+    ModelTransform("fp8", lambda r: r.training.fp8 != "none", _fp8),
     ModelTransform(
         "activation_checkpointing", lambda r: r.training.activation_checkpointing, _activation_checkpointing
     ),

@@ -137,9 +137,19 @@ def _plot_pass(result: BenchResult) -> str:
     return "full" if "full" in passes else passes[0]
 
 
-def _plot_per_kernel(result: BenchResult, path: Path, metric: str, ylabel: str, log_scale: bool) -> None:
-    """Grouped bars: one panel per kernel, shapes along x, one bar per provider. A provider
-    without a value there (failed, unavailable, no memory on CPU) gets a grey label instead."""
+def _value_label(value: float) -> str:
+    """Three significant digits, thousands written out (0.179, 12.4, 20,032)."""
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
+
+
+def _plot_per_kernel(result: BenchResult, path: Path, metric: str, ylabel: str, title: str) -> None:
+    """Grouped bars: one panel per kernel, shapes along x, one bar per provider, each labelled
+    with its value. A provider without a value there (failed, unavailable, no memory on CPU)
+    gets a grey label instead.
+
+    The axis is linear from 0: bar lengths are then proportional to the values, so a 1.75×
+    difference looks like 1.75× (a log axis cut at the smallest bar made it look like 10×).
+    The value labels keep a bar that is 0, or a sliver next to a tall one, readable."""
     import matplotlib.pyplot as plt
 
     pass_ = _plot_pass(result)
@@ -147,7 +157,7 @@ def _plot_per_kernel(result: BenchResult, path: Path, metric: str, ylabel: str, 
     kernels = list(dict.fromkeys(r.kernel for r in result.rows))
     cols = min(3, len(kernels))
     nrows = math.ceil(len(kernels) / cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 3.6 * nrows), squeeze=False)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 3.9 * nrows), squeeze=False)
     width = 0.8 / len(providers)
     for ax, kernel in zip(axes.flat, kernels, strict=False):  # spare panels stay blank
         rows = [r for r in result.rows if r.kernel == kernel and r.pass_ == pass_]
@@ -161,18 +171,35 @@ def _plot_per_kernel(result: BenchResult, path: Path, metric: str, ylabel: str, 
                     label = "n/a" if r is None or r.status in ("ok", "unavailable") else r.status
                     ax.text(x, 0, label, rotation=90, ha="center", va="bottom", fontsize=7, color="grey")
                 else:
-                    ax.bar(x, value, width, color=f"C{i}", label=provider if j == 0 else None)
-        ax.set_xticks(range(len(shapes)), shapes, fontsize=8)
+                    bar = ax.bar(x, value, width, color=f"C{i}", label=provider if j == 0 else None)[0]
+                    ax.annotate(
+                        _value_label(value),
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        xytext=(0, 2),
+                        textcoords="offset points",
+                        rotation=90,
+                        ha="center",
+                        va="bottom",
+                        fontsize=6.5,
+                    )
+        # Long shapes (8192x4096x128256) side by side overlap: slant them.
+        slanted = sum(len(s) for s in shapes) > 36
+        ax.set_xticks(
+            range(len(shapes)),
+            shapes,
+            fontsize=8,
+            rotation=15 if slanted else 0,
+            ha="right" if slanted else "center",
+        )
         ax.set_title(f"{kernel} ({pass_})", fontsize=10)
         ax.set_ylabel(ylabel)
-        if log_scale and ax.patches:  # times of one kernel span orders of magnitude across providers
-            ax.set_yscale("log")
+        # From 0, with room for the rotated value labels above the tallest bar.
+        tallest = max((p.get_height() for p in ax.patches), default=0.0)
+        ax.set_ylim(0, tallest * 1.22 if tallest > 0 else 1.0)
     for ax in list(axes.flat)[len(kernels) :]:
         ax.axis("off")
     handles = [plt.Rectangle((0, 0), 1, 1, color=f"C{i}") for i in range(len(providers))]
-    fig.suptitle(
-        f"{ylabel} — {result.meta['device']}, {result.meta['dtype']} ({result.meta['timing']})", fontsize=11
-    )
+    fig.suptitle(f"{title} — {result.meta['device']}, {result.meta['dtype']}", fontsize=11)
     fig.legend(handles, providers, loc="upper center", bbox_to_anchor=(0.5, 0.965), ncol=len(providers))
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     fig.savefig(path, dpi=110)
@@ -226,10 +253,21 @@ def write_outputs(result: BenchResult, out: Path, warn: Callable[[str], None] = 
 
         matplotlib.use("Agg")
     except ImportError:
-        warn(f"matplotlib is not installed: no plots; render them elsewhere with --from-json {json_path}")
+        warn(
+            "no plots: they need matplotlib (pip install 'ligertune[plots]'); JSON, CSV and Markdown are "
+            f"written, and `ligertune bench --from-json {json_path}` draws the plots once it is installed"
+        )
         return written
-    _plot_per_kernel(result, time_png, "ms", "median ms", log_scale=True)
-    _plot_per_kernel(result, mem_png, "peak_extra_mib", "peak extra MiB", log_scale=False)
+    _plot_per_kernel(
+        result, time_png, "ms", "median ms", f"time per call, median ms ({result.meta['timing']})"
+    )
+    _plot_per_kernel(
+        result,
+        mem_png,
+        "peak_extra_mib",
+        "peak extra MiB",
+        "peak extra memory per call, MiB (allocated beyond the inputs; lower is better)",
+    )
     _plot_vocab(result, vocab_png)
     return written + [time_png, mem_png, vocab_png]
 

@@ -4,7 +4,9 @@ The recipe runs as several *arms*, one after another, each in a process of its o
 peak memory is its own: ``off`` (every kernel off), ``on`` (the chosen kernels on) and, with
 ``--ablate``, one arm per kernel with only that kernel on (a kernel for which the ``on`` arm
 patched no module, such as LayerNorm in a Llama, gets no arm: it would only repeat ``off``;
-the report's notes name it). Every arm gets the same seed, hence
+the report's notes name it), and with ``--also key=value`` (repeatable) one arm per item: the
+``on`` arm plus that override, which shows what one more setting buys on top of the kernels
+(``training.compile=true``, ``model.attn_implementation=sdpa``). Every arm gets the same seed, hence
 the same random initial weights (`ligertune.models.build_model` seeds the init before
 patching) or the same loaded checkpoint, the same data order and the same number of steps, so
 the per-step losses of two arms differ only by what the kernels compute differently.
@@ -91,7 +93,7 @@ def run_compare(plan: ComparePlan, console) -> dict[str, Any]:
     launcher = f"torchrun × {plan.nproc}" if plan.nproc > 1 else "one process"
     arms, unused, notes = [], set(), []
     for arm in plan.arms:
-        if unused.intersection(arm.kernels):  # an ablation arm that would equal `off`
+        if arm.ablation and unused.intersection(arm.kernels):  # it would equal `off`
             notes.append(
                 f"arm {arm.name} not run: the 'on' arm patched no module with it (this model has none)"
             )

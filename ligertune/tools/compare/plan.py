@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ class ArmSpec:
     kernels: list[str]
     overrides: list[str]
     directory: Path
+    ablation: bool = False  # one kernel alone (--ablate)
 
     def as_json(self, recipe: Path, steps: int) -> dict[str, Any]:
         return {
@@ -143,13 +145,19 @@ def make_plan(
     out: Path | None = None,
     nproc_per_node: int | None = None,
     rtol: float | None = None,
+    also: list[str] | tuple[str, ...] = (),
 ) -> ComparePlan:
-    """Check every option and every arm's recipe before anything runs."""
+    """Check every option and every arm's recipe before anything runs. Each item of `also`
+    (``key=value``) adds an arm: the ``on`` arm plus that override, to show what one setting
+    (``training.compile=true``, ``model.attn_implementation=sdpa``) changes on top of the kernels."""
     if steps < 1:
         raise CompareError(f"--steps must be at least 1, got {steps}")
     if rtol is not None and not (rtol > 0 and math.isfinite(rtol)):
         raise CompareError(f"--rtol must be a positive number, got {rtol}")
-    _check_user_overrides(overrides)
+    _check_user_overrides([*overrides, *also])
+    for item in also:
+        if "=" not in item:
+            raise CompareError(f"--also {item}: write one recipe override, key=value (e.g. training.compile=true)")
     recipe = load_recipe(recipe_path, overrides)
     nproc = processes_per_arm(nproc_per_node)
     if nproc > 1 and recipe.parallel.strategy == "none":
@@ -174,12 +182,15 @@ def make_plan(
         rtol=rtol if rtol is not None else RTOL[precision],
         rtol_rule=rule,
     )
-    arm_kernels = {BASELINE: [], "on": selected}
+    arms = {BASELINE: ([], []), "on": (selected, [])}
     if ablate and len(selected) > 1:
-        arm_kernels |= {name: [name] for name in selected}
-    for name, arm_selection in arm_kernels.items():
+        arms |= {name: ([name], []) for name in selected}
+    for item in also:
+        key, _, value = item.partition("=")
+        arms[re.sub(r"[^\w.=+-]", "_", f"on+{key.rsplit('.', 1)[-1]}={value}")] = (selected, [item])
+    for name, (arm_selection, arm_extra) in arms.items():
         directory = out / name
-        arm_overrides = arm_recipe_overrides(overrides, arm_selection, steps, directory)
+        arm_overrides = arm_recipe_overrides([*overrides, *arm_extra], arm_selection, steps, directory)
         try:
             load_recipe(recipe_path, arm_overrides)
         except RecipeError as e:
@@ -191,5 +202,5 @@ def make_plan(
             raise CompareError(
                 f"{directory} exists and was not written by ligertune compare; choose another --out"
             )
-        plan.arms.append(ArmSpec(name, arm_selection, arm_overrides, directory))
+        plan.arms.append(ArmSpec(name, arm_selection, arm_overrides, directory, ablation=name in selected))
     return plan

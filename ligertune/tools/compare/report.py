@@ -173,9 +173,18 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
     for i, arm in enumerate(arms):
         steps = [k + 1 for k, v in enumerate(arm["losses"]) if v is not None]
-        # Arms at parity draw on top of each other: dashes let the baseline show through.
+        # Arms at parity draw on top of each other: dashes let the baseline show through, and
+        # each later arm's markers are smaller and of another shape, so every arm stays visible.
         style = "-" if i == 0 else "--"
-        ax_loss.plot(steps, [v for v in arm["losses"] if v is not None], style, marker=".", label=arm["name"])
+        ax_loss.plot(
+            steps,
+            [v for v in arm["losses"] if v is not None],
+            style,
+            marker="os^Dvp*"[i % 7],
+            markersize=max(2.5, 8 - 1.2 * i),
+            markerfacecolor="none" if i == 0 else None,
+            label=arm["name"],
+        )
     ax_loss.set(title="training loss per step", xlabel="step", ylabel="loss")
     ax_loss.legend()
 
@@ -201,17 +210,34 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax_diff.legend()
 
     speed_note = "" if report["speed_meaningful"] else "\n(CPU: not meaningful)"
-    _bars(ax_speed, arms, [[a["tokens_per_s"] for a in arms]], [""], f"tokens/s{speed_note}")
+    by_arm = {c["arm"]: c for c in report["comparisons"]}
+    speedups = [by_arm[a["name"]]["speedup"] if a["name"] in by_arm else None for a in arms]
+    _bars(
+        ax_speed,
+        arms,
+        [[a["tokens_per_s"] for a in arms]],
+        [""],
+        f"tokens/s (× baseline's){speed_note}",
+        [speedups],
+    )
     if any(a["peak_mem_allocated_gib"] is not None for a in arms):
         series = [[a["peak_mem_allocated_gib"] for a in arms], [a["peak_mem_reserved_gib"] for a in arms]]
-        _bars(ax_mem, arms, series, ["allocated", "reserved"], "peak GPU memory (GiB)")
+        ratios = [by_arm[a["name"]]["memory_ratio_allocated"] if a["name"] in by_arm else None for a in arms]
+        _bars(
+            ax_mem,
+            arms,
+            series,
+            ["allocated", "reserved"],
+            "peak GPU memory, GiB (allocated: × baseline's)",
+            [ratios, [None] * len(arms)],
+        )
     else:
         _bars(
             ax_mem,
             arms,
             [[a["peak_host_rss_gib"] for a in arms]],
             ["host RSS"],
-            "peak host memory (GiB, CPU)",
+            "peak host memory, GiB (CPU run)",
         )
     for ax in (ax_speed, ax_mem):
         # Ablation arms carry kernel names, too long to sit side by side.
@@ -235,34 +261,66 @@ def _bar_label(value: float | None) -> str:
     return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.3g}"
 
 
-def _bars(ax, arms: list[Arm], series: list[list[float | None]], labels: list[str], title: str) -> None:
-    """Grouped bars, one group per arm; an arm that failed is hatched and labelled with its
-    status (for an OOM the bar is the memory it had reached)."""
+def _bars(
+    ax,
+    arms: list[Arm],
+    series: list[list[float | None]],
+    labels: list[str],
+    title: str,
+    ratios: list[list[float | None]] | None = None,
+) -> None:
+    """Grouped bars, one group per arm, on a linear axis from 0 (bar lengths compare as the
+    values do). Each bar is labelled with its value and, where `ratios` gives one, the ratio to
+    the baseline ("1.29×"): the number a reader wants, not one to estimate from bar heights. An
+    arm that failed is hatched and labelled with its status (for an OOM the bar is the memory it
+    had reached); a bar of 0 keeps its label, so it stays visible."""
     width = 0.8 / len(series)
-    for i, (values, label) in enumerate(zip(series, labels, strict=True)):
+    ratios = ratios or [[None] * len(arms) for _ in series]
+    tallest_value = max((v for values in series for v in values if v is not None), default=0.0)
+    for i, (values, label, ratio) in enumerate(zip(series, labels, ratios, strict=True)):
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(arms))]
         heights = [v or 0.0 for v in values]
         bars = ax.bar(xs, heights, width, label=label or None)
-        for bar, arm, value in zip(bars, arms, values, strict=True):
+        for bar, arm, value, r in zip(bars, arms, values, ratio, strict=True):
             failed = arm["status"] in ("oom", "error")
             if failed:
                 bar.set_hatch("//")
             text = _status(arm) if failed else _bar_label(value)
+            if r is not None and not failed:
+                if bar.get_height() >= 0.15 * tallest_value:  # inside the bar: clear of its neighbours
+                    ax.annotate(
+                        f"{r:.2f}×",
+                        (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        xytext=(0, -4),
+                        textcoords="offset points",
+                        ha="center",
+                        va="top",
+                        fontsize=8 if len(series) == 1 else 6.5,  # grouped bars are narrow
+                        fontweight="bold",
+                        color="white",
+                    )
+                else:
+                    text += f"\n{r:.2f}×"
             ax.annotate(
                 text,
                 (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                xytext=(0, 2),
+                textcoords="offset points",
                 ha="center",
                 va="bottom",
                 fontsize=8,
             )
+    tallest = max((b.get_height() for b in ax.patches), default=0.0)
+    # Headroom for the two-line labels and, above them, the legend.
+    ax.set_ylim(0, tallest * (1.35 if any(labels) else 1.2) if tallest > 0 else 1.0)
     ax.set_title(title)
     if any(labels):
-        ax.legend()
+        ax.legend(loc="upper center", ncol=len(labels))
 
 
 def write_outputs(report: dict[str, Any], out: Path, console) -> dict[str, str]:
-    """compare.md and compare.png in `out`; returns their paths. Without matplotlib the plot is
-    left out with a warning (it is a development dependency)."""
+    """compare.md and compare.png in `out`; returns their paths. Without matplotlib (the
+    ``plots`` extra) the plot is left out with one line saying how to get it."""
     files = {}
     md_path = out / "compare.md"
     md_path.write_text(markdown(report), encoding="utf-8")
@@ -271,7 +329,11 @@ def write_outputs(report: dict[str, Any], out: Path, console) -> dict[str, str]:
         import matplotlib  # noqa: F401
     except ImportError:
         console.print(
-            "warning: matplotlib is not installed (pip install matplotlib): no compare.png", markup=False
+            "note: no compare.png: plots need matplotlib (pip install 'ligertune[plots]'); "
+            "compare.json and compare.md are written",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
         )
         return files
     png_path = out / "compare.png"

@@ -1,0 +1,198 @@
+"""`ligertune generate`: a completion from a trained model, to sanity-check a run.
+
+What it takes (`resolve_source`), in this order:
+
+- a **run directory** (it has ``checkpoints/`` or ``final/``): its ``final/`` export when the run
+  finished with ``checkpoint.export_hf``; otherwise the newest complete checkpoint, whose own
+  ``recipe.yaml`` rebuilds the model (the recipe's architecture or base weights, without
+  transforms) before the checkpoint's weights are loaded into it, in whatever format the
+  strategy wrote: ``model.pt`` (none, ddp), ``dcp/`` (fsdp, read without a process group) or
+  ``deepspeed/`` (consolidated by DeepSpeed's ``zero_to_fp32``);
+- a **model directory** (a ``config.json``): a Hugging Face model, e.g. an export;
+- anything else is taken for a **hub id** (offline, or without access: one error line).
+
+It is a smoke test, not a server: one prompt, ``generate`` with the KV cache, greedy at
+temperature 0 (the default, so two runs print the same) and sampling above it. With ``--chat``
+(the default) and a tokenizer that has a chat template, the prompt is sent as one user message
+with the generation prompt appended, as a chat model was trained to see it; ``--no-chat`` (or
+no template) sends the raw text. CUDA when there is a GPU (weights in their saved dtype), else
+the CPU in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ligertune.config import load_recipe
+from ligertune.data import load_tokenizer
+from ligertune.errors import DataError, RecipeError
+from ligertune.models.build import build_model
+from ligertune.run.checkpoint import FULL_FORMAT, CheckpointManager, load_checkpoint
+
+
+class GenerateError(Exception):
+    """What `generate` cannot do, in one line (the CLI prints it and exits 2)."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the model comes from: a Hugging Face model (folder or hub id) or a checkpoint."""
+
+    model: str  # a folder or hub id for from_pretrained; the checkpoint folder otherwise
+    checkpoint: Path | None = None
+
+    def describe(self) -> str:
+        return f"checkpoint {self.checkpoint}" if self.checkpoint else self.model
+
+
+@dataclass(frozen=True)
+class Generation:
+    source: Source
+    prompt_text: str  # what the model saw (after the chat template)
+    completion: str
+    chat: bool
+    device: str
+
+
+def resolve_source(run_or_model: str) -> Source:
+    """A run directory → its export or newest checkpoint; a model folder; else a hub id."""
+    path = Path(run_or_model).expanduser()
+    if path.is_dir():
+        if (path / "final" / "config.json").is_file():
+            return Source(str(path / "final"))
+        if (path / "config.json").is_file():
+            return Source(str(path))
+        if (path / "checkpoints").is_dir() or (path / "final").is_dir():
+            latest = CheckpointManager(path / "checkpoints", keep_last=1).latest()
+            if latest is None:
+                raise GenerateError(
+                    f"{path} is a run directory with neither a final/ export nor a complete checkpoint; "
+                    "train it further, or set checkpoint.export_hf=true"
+                )
+            return Source(str(latest), checkpoint=latest)
+        raise GenerateError(
+            f"{path} is a folder but neither a run directory nor a Hugging Face model (no config.json)"
+        )
+    if path.exists() or run_or_model.startswith((".", "/", "~")) or run_or_model.count("/") > 1:
+        raise GenerateError(f"{run_or_model}: no such run or model directory")
+    return Source(run_or_model)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+
+
+def load_for_generation(source: Source, device: torch.device) -> tuple[nn.Module, object]:
+    """(model in eval mode with its KV cache on, tokenizer)."""
+    if source.checkpoint is not None:
+        model, tokenizer = _from_checkpoint(source.checkpoint, device)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source.model)
+            model = AutoModelForCausalLM.from_pretrained(
+                source.model, dtype="auto" if device.type == "cuda" else torch.float32, device_map=str(device)
+            )
+        except (OSError, ValueError) as e:
+            raise GenerateError(
+                f"cannot load {source.model!r}: {_first_line(e)} (a hub id needs hub access or a copy in the "
+                "cache: `ligertune download`)"
+            ) from None
+    model.config.use_cache = True
+    return model.eval(), tokenizer
+
+
+def _from_checkpoint(checkpoint: Path, device: torch.device) -> tuple[nn.Module, object]:
+    """The model of a resumable checkpoint: rebuilt from the run's recipe, weights loaded."""
+    try:
+        recipe = load_recipe(checkpoint / "recipe.yaml", ["training.precision=fp32", "training.device=cpu"])
+        tokenizer = load_tokenizer(recipe)
+        torch.manual_seed(recipe.seed)
+        model = build_model(recipe, torch.device("cpu"))
+    except (RecipeError, DataError) as e:
+        detail = "; ".join(e.problems) if isinstance(e, RecipeError) else str(e)
+        raise GenerateError(
+            f"cannot rebuild the model of {checkpoint} from its recipe.yaml: {detail}"
+        ) from None
+    state = load_checkpoint(checkpoint)
+    if state.format == FULL_FORMAT:
+        weights = state.model
+    elif state.format == "dcp":
+        weights = _dcp_model_state(checkpoint / "dcp", model)
+    elif state.format == "deepspeed":
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / "deepspeed"), tag="deepspeed")
+    else:
+        raise GenerateError(f"{checkpoint}: unknown checkpoint format {state.format!r}")
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    # A tied head is saved once by some formats; anything else missing is a wrong checkpoint.
+    tied = {"lm_head.weight"} if model.lm_head.weight is model.get_input_embeddings().weight else set()
+    if set(missing) - tied or unexpected:
+        raise GenerateError(
+            f"{checkpoint}: its weights do not fit the model its recipe builds (missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]})"
+        )
+    return model.to(device), tokenizer
+
+
+def _dcp_model_state(directory: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model part of an fsdp checkpoint, read in one process (DCP needs no process group to
+    read: it loads in place into tensors of the requested shapes, whatever the saving sharding)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
+    dcp.load(state, checkpoint_id=directory)
+    return state["model"]
+
+
+def generate(
+    run_or_model: str,
+    prompt: str,
+    *,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    chat: bool = True,
+    device: torch.device | None = None,
+) -> Generation:
+    """Complete `prompt` with the model `run_or_model` names (see the module docstring)."""
+    if max_new_tokens <= 0:
+        raise GenerateError(f"--max-new-tokens must be positive, got {max_new_tokens}")
+    if temperature < 0:
+        raise GenerateError(f"--temperature must be 0 (greedy) or positive, got {temperature}")
+    from transformers.utils import logging as hf_logging
+
+    device = device or _device()
+    source = resolve_source(run_or_model)
+    hf_logging.disable_progress_bar()  # "Loading weights" bars around a one-line answer
+    try:
+        model, tokenizer = load_for_generation(source, device)
+    finally:
+        hf_logging.enable_progress_bar()
+    use_chat = chat and bool(getattr(tokenizer, "chat_template", None))
+    if use_chat:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        # The template writes the special tokens (BOS) itself.
+        encoded = tokenizer(text, return_tensors="pt", add_special_tokens=False)
+    else:
+        text = prompt
+        encoded = tokenizer(text, return_tensors="pt")
+    encoded = {k: v.to(device) for k, v in encoded.items()}
+    sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with torch.no_grad():
+        output = model.generate(**encoded, max_new_tokens=max_new_tokens, pad_token_id=pad, **sampling)
+    new_tokens = output[0, encoded["input_ids"].shape[1] :]
+    completion = tokenizer.decode(new_tokens, skip_special_tokens=True)
+    return Generation(source, text, completion, use_chat, str(device))
