@@ -157,7 +157,11 @@ def _report(model: nn.Module, recipe: Recipe, targets: list[str]) -> str:
         adapted_projections = sorted({p for p in _MLP_PROJECTIONS if p in targets})
         lines.append(
             f"  {kernel}: {n} MLPs"
-            + (f" (LoRA on {'/'.join(adapted_projections)} in {adapted})" if adapted else " (no LoRA in them)")
+            + (
+                f" (LoRA on {'/'.join(adapted_projections)} in {adapted})"
+                if adapted
+                else " (no LoRA in them)"
+            )
         )
     for module in model.modules():
         if module.__dict__.get(MARK) == "fused_linear_cross_entropy" and hasattr(module, "lm_head"):
@@ -183,7 +187,9 @@ def save_adapter(model: nn.Module, state: dict[str, torch.Tensor], directory) ->
     from peft import get_peft_model_state_dict
 
     adapter = get_peft_model_state_dict(model, state_dict=state)
-    model.save_pretrained(directory, state_dict={k: v.detach().cpu().contiguous() for k, v in adapter.items()})
+    model.save_pretrained(
+        directory, state_dict={k: v.detach().cpu().contiguous() for k, v in adapter.items()}
+    )
 
 
 def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -213,7 +219,9 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
             magnitude = state[f"{name}.lora_magnitude_vector.{adapter}.weight"].float().cpu()
             full = full * (magnitude / torch.linalg.norm(full, dim=1)).view(-1, 1)
         merged[f"{name}.weight"] = full.to(dtype)
-        consumed |= {k for k in state if k.startswith(f"{name}.lora_") or k.startswith(f"{name}.base_layer.weight")}
+        consumed |= {
+            k for k in state if k.startswith(f"{name}.lora_") or k.startswith(f"{name}.base_layer.weight")
+        }
     saved = re.compile(r"^(.*)\.modules_to_save\.[^.]+\.(.*)$")
     for key, value in state.items():
         if key in consumed or ".original_module." in key:

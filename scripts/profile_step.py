@@ -129,7 +129,9 @@ def report(
     return "\n".join(lines) + "\n"
 
 
-def provider_overrides(provider: str, recipe_path: str, overrides: list[str], steps: int, out: Path) -> list[str]:
+def provider_overrides(
+    provider: str, recipe_path: str, overrides: list[str], steps: int, out: Path
+) -> list[str]:
     """The user's overrides plus what a profiled run sets: the provider's kernels (and attention
     backend, where the recipe leaves it to auto), `steps` steps, its own output directory, and no
     evaluation or checkpoint during the steps."""
@@ -163,7 +165,9 @@ def profile(
     from ligertune.training import train
 
     rank, world = launched_as().rank, launched_as().world_size
-    recipe = load_recipe(recipe_path, provider_overrides(provider, recipe_path, overrides, wait + 1 + active, out))
+    recipe = load_recipe(
+        recipe_path, provider_overrides(provider, recipe_path, overrides, wait + 1 + active, out)
+    )
     seconds: list[float] = []
     with torch.profiler.profile(
         activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU],
@@ -222,7 +226,9 @@ def check_options(parser: argparse.ArgumentParser, args: argparse.Namespace, pro
                 parser.error(f"{item}: the script sets {controlled} for each provider (see {option})")
     try:
         for provider in providers:  # the recipe as each provider's run will load it
-            recipe = load_recipe(args.recipe, provider_overrides(provider, args.recipe, args.overrides, 1, args.out))
+            recipe = load_recipe(
+                args.recipe, provider_overrides(provider, args.recipe, args.overrides, 1, args.out)
+            )
     except RecipeError as e:
         parser.error(str(e))
     if args.nproc_per_node > 1 and recipe.parallel.strategy == "none":

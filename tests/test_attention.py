@@ -127,7 +127,9 @@ def test_gpu_flex_document_mask_is_isolated_and_needs_no_host_sync(model_type):
     """On CUDA, FlexAttention with our mask: isolation at a real row length, and a forward and
     backward with CUDA's sync debug mode set to raise on any device-to-host synchronisation."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    model = tiny_model(model_type, "flex_attention", hidden_size=256, intermediate_size=512, num_attention_heads=8)
+    model = tiny_model(
+        model_type, "flex_attention", hidden_size=256, intermediate_size=512, num_attention_heads=8
+    )
     model = model.cuda()
     install_document_mask(model)
     gen = torch.Generator().manual_seed(3)

@@ -56,7 +56,9 @@ def test_fp8_recipe_rules():
     with pytest.raises(RecipeError, match="training.fp8: got 'e5m2'"):
         load_recipe(QUICKSTART, ["training.fp8=e5m2"])
     with pytest.raises(RecipeError, match="training.fp8: not supported with parallel.strategy deepspeed"):
-        load_recipe(QUICKSTART, ["training.fp8=rowwise", "parallel.strategy=deepspeed", "training.precision=fp32"])
+        load_recipe(
+            QUICKSTART, ["training.fp8=rowwise", "parallel.strategy=deepspeed", "training.precision=fp32"]
+        )
 
 
 @pytest.mark.gpu

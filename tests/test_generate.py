@@ -30,15 +30,22 @@ RUN = [
 ]
 
 
+DEEPSPEED = ["parallel.strategy=deepspeed", "training.precision=fp32"]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """A quickstart run (exported, checkpointed at its end), the same run without its export,
-    and an fsdp run of one process (a dcp checkpoint) without its export."""
+    and fsdp and ZeRO-3 runs of one process ("dcp" and "deepspeed" checkpoints), their exports
+    moved aside."""
     root = tmp_path_factory.mktemp("generate")
     train(load_recipe(QUICKSTART, RUN + [f"output_dir={root / 'run'}"]))
     shutil.copytree(root / "run", root / "no-export", ignore=shutil.ignore_patterns("final", "run.lock"))
     train(load_recipe(QUICKSTART, RUN + ["parallel.strategy=fsdp", f"output_dir={root / 'fsdp'}"]))
     shutil.move(root / "fsdp" / "final", root / "fsdp-final")
+    # ZeRO-3 in a job of one process, built inside zero.Init (sharded init): a "deepspeed" checkpoint.
+    train(load_recipe(QUICKSTART, RUN + DEEPSPEED + [f"output_dir={root / 'deepspeed'}"]))
+    shutil.move(root / "deepspeed" / "final", root / "deepspeed-final")
     return root
 
 
@@ -82,7 +89,9 @@ def test_a_model_directory_generates_from_the_plain_prompt_with_no_chat(runs):
     assert result.completion == tokenizer.decode(_reference(final, ids, 8), skip_special_tokens=True)
 
 
-@pytest.mark.parametrize(("run", "export"), [("no-export", "run/final"), ("fsdp", "fsdp-final")])
+@pytest.mark.parametrize(
+    ("run", "export"), [("no-export", "run/final"), ("fsdp", "fsdp-final"), ("deepspeed", "deepspeed-final")]
+)
 def test_a_run_without_an_export_generates_from_its_newest_checkpoint(runs, run, export):
     source = resolve_source(str(runs / run))
     assert source.checkpoint == runs / run / "checkpoints" / "step-3"
@@ -127,6 +136,14 @@ def _cli(*args: str, **env: str) -> subprocess.CompletedProcess:
         env={**os.environ, "PYTHONPATH": pythonpath_with_root(), **env},
         timeout=300,
     )
+
+
+def test_the_zero3_build_leaves_transformers_zero3_mode_off(runs):
+    """The HfDeepSpeedConfig that makes transformers build inside zero.Init lives for the build
+    only: a later from_pretrained in the process (the generation above) must load normally."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    assert not is_deepspeed_zero3_enabled()
 
 
 def test_the_command_prints_the_completion(runs):

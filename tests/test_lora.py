@@ -14,7 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from ligertune.config import RecipeError, load_recipe, machine_problems
 from ligertune.config.schema import KernelsSection
+from ligertune.distributed.runtime import load_trainable_state
 from ligertune.lora import apply_lora, merged_state_dict
+from ligertune.models.build import build_model
 from ligertune.patching import patch_model
 from ligertune.patching.losses import fused_head
 from ligertune.run.checkpoint import load_checkpoint
@@ -67,7 +69,10 @@ def one_torch_thread():
         (["lora=null", "model.quantize=4bit"], "model.quantize: 4bit freezes the base weights"),
         (["parallel.strategy=deepspeed"], "lora: not supported with parallel.strategy deepspeed"),
         (["model.quantize=4bit", "parallel.strategy=fsdp"], "cannot be sharded by parallel.strategy fsdp"),
-        (["parallel.strategy=fsdp", "parallel.sharded_init=true"], "parallel.sharded_init: true is not supported"),
+        (
+            ["parallel.strategy=fsdp", "parallel.sharded_init=true"],
+            "parallel.sharded_init: true is not supported",
+        ),
         (["lora=null", "export.merge_lora=true"], "export.merge_lora: there is nothing to merge"),
         (["training.fp8=rowwise"], "training.fp8: not supported with lora"),
     ],
@@ -80,12 +85,17 @@ def test_recipe_errors_name_the_key(overrides, message):
 
 def test_lora_turns_sharded_init_auto_off():
     assert not lora_recipe("parallel.strategy=fsdp").parallel.shards_at_init
-    assert load_recipe(ROOT / "recipes" / "quickstart.yaml", ["parallel.strategy=fsdp"]).parallel.shards_at_init
+    assert load_recipe(
+        ROOT / "recipes" / "quickstart.yaml", ["parallel.strategy=fsdp"]
+    ).parallel.shards_at_init
 
 
 def test_quantize_is_a_machine_error_on_cpu():
     recipe = lora_recipe("model.quantize=4bit", "training.device=cpu")
-    assert any(p.startswith("model.quantize: 4bit (bitsandbytes) runs on CUDA only") for p in machine_problems(recipe))
+    assert any(
+        p.startswith("model.quantize: 4bit (bitsandbytes) runs on CUDA only")
+        for p in machine_problems(recipe)
+    )
 
 
 def test_quantize_on_cpu_exits_2_with_one_line(tmp_path):
@@ -94,7 +104,14 @@ def test_quantize_on_cpu_exits_2_with_one_line(tmp_path):
     from ligertune.cli import app
 
     result = CliRunner().invoke(
-        app, ["train", str(QUICKSTART_LORA), "model.quantize=4bit", "training.device=cpu", f"output_dir={tmp_path}"]
+        app,
+        [
+            "train",
+            str(QUICKSTART_LORA),
+            "model.quantize=4bit",
+            "training.device=cpu",
+            f"output_dir={tmp_path}",
+        ],
     )
     assert result.exit_code == 2, result.output
     assert "model.quantize: 4bit (bitsandbytes) runs on CUDA only" in result.output
@@ -173,7 +190,8 @@ def test_patched_peft_model_matches_unpatched(model_type, targets, extra):
     else:  # the fused path ran: no logits
         assert head_fused and got.logits is None
     projections = ("gate_proj", "up_proj", "down_proj", "gate_up_proj")
-    adapted = [p for p in projections if p in targets or (targets == "all-linear" and p != "gate_up_proj")]
+    named = targets.strip("[]").split(", ")
+    adapted = [p for p in projections if p in named or (targets == "all-linear" and p != "gate_up_proj")]
     assert f"swiglu: 2 MLPs (LoRA on {'/'.join(sorted(adapted))} in 2)" in report, report
 
 
@@ -201,8 +219,7 @@ def _losses(run_dir):
 
 def test_only_adapters_train_and_checkpoints_hold_only_them(tmp_path):
     recipe = lora_recipe("training.max_steps=4", "checkpoint.every_steps=2", f"output_dir={tmp_path}")
-    base = train(load_recipe(QUICKSTART_LORA, [*TINY, "lora=null", "training.max_steps=0", f"output_dir={tmp_path}/b"]))
-    before = {k: v.clone() for k, v in base.model.state_dict().items()}
+    before = build_model(recipe, torch.device("cpu")).state_dict()  # the seeded build the run starts from
     result = train(recipe)
     model = result.model
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -235,8 +252,20 @@ def test_lora_resume_is_exact(tmp_path):
 
 def test_resume_refuses_a_checkpoint_of_other_lora_settings(tmp_path):
     train(lora_recipe("training.max_steps=2", f"output_dir={tmp_path}"))
-    with pytest.raises(RecipeError, match="checkpoint.resume: .* other lora settings"):
+    with pytest.raises(
+        RecipeError, match="lora.target_modules: 'all-linear' → \\['q_proj'\\] since the checkpoint"
+    ):
         train(lora_recipe("training.max_steps=3", "lora.target_modules=[q_proj]", f"output_dir={tmp_path}"))
+    # Below the recipe check: the adapter-only state itself must match the model's trained parameters.
+    checkpoint = load_checkpoint(tmp_path / "checkpoints" / "step-2")
+    other, _ = apply_lora(
+        build_model(lora_recipe(), torch.device("cpu")), lora_recipe("lora.target_modules=[q_proj]")
+    )
+    with pytest.raises(RecipeError, match="checkpoint.resume: .* holds parameters this run does not train"):
+        load_trainable_state(other, checkpoint.model, checkpoint.path)
+    full = build_model(lora_recipe(), torch.device("cpu"))  # no frozen parameters: strict, as before
+    with pytest.raises(RuntimeError, match="Missing key"):
+        load_trainable_state(full, checkpoint.model, checkpoint.path)
 
 
 def test_exports_load_in_peft_and_in_plain_transformers(tmp_path):
@@ -259,8 +288,7 @@ def test_exports_load_in_peft_and_in_plain_transformers(tmp_path):
     final = tmp_path / "final"
     assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
     assert not (final / "model.safetensors").exists()
-    base = train(load_recipe(QUICKSTART_LORA, [*TINY, "lora=null", "training.max_steps=0", f"output_dir={tmp_path}/b"]))
-    loaded = PeftModel.from_pretrained(base.model, final).eval()
+    loaded = PeftModel.from_pretrained(build_model(recipe, torch.device("cpu")), final).eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=input_ids).logits, expected, rtol=1e-5, atol=1e-5)
 
@@ -272,10 +300,12 @@ def test_exports_load_in_peft_and_in_plain_transformers(tmp_path):
 
 def test_merged_state_dict_with_dora_and_modules_to_save_matches_peft_merge():
     base = tiny_model("llama")
-    recipe = lora_recipe("lora.r=4", "lora.use_dora=true", "lora.modules_to_save=[lm_head]", "lora.target_modules=all-linear")
+    recipe = lora_recipe(
+        "lora.r=4", "lora.use_dora=true", "lora.modules_to_save=[lm_head]", "lora.target_modules=all-linear"
+    )
     adapted, _ = apply_lora(base, recipe)
     with torch.no_grad():
-        for name, p in adapted.named_parameters():
+        for p in adapted.parameters():
             if p.requires_grad:
                 p.add_(0.05 * torch.randn_like(p))
     ours = merged_state_dict(adapted, adapted.state_dict())
@@ -292,7 +322,9 @@ def test_merged_state_dict_with_dora_and_modules_to_save_matches_peft_merge():
 
 # The LoRA section as overrides of the plain quickstart (the torchrun worker of
 # tests/test_distributed.py trains that recipe with the overrides it is given).
-LORA_SECTION = "lora={r: 8, alpha: 16, target_modules: [q_proj, v_proj, gate_proj, up_proj, down_proj, lm_head]}"
+LORA_SECTION = (
+    "lora={r: 8, alpha: 16, target_modules: [q_proj, v_proj, gate_proj, up_proj, down_proj, lm_head]}"
+)
 
 
 @pytest.mark.slow
@@ -338,7 +370,12 @@ def test_compare_on_the_lora_quickstart(tmp_path):
     from ligertune.tools.compare import compare_command
     from tests.test_compare import quiet_console
 
-    overrides = [*TINY_MODEL, "data.validation_fraction=0.0", "training.micro_batch_size=2", "logging.log_every=1"]
+    overrides = [
+        *TINY_MODEL,
+        "data.validation_fraction=0.0",
+        "training.micro_batch_size=2",
+        "logging.log_every=1",
+    ]
     status = compare_command(
         QUICKSTART_LORA,
         overrides,

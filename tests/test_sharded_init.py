@@ -201,6 +201,10 @@ def test_sharded_init_true_needs_a_sharding_strategy():
     }
     for strategy, expected in auto.items():
         assert load_recipe(QUICKSTART, [f"parallel.strategy={strategy}"]).parallel.shards_at_init is expected
+    offload = ["parallel.strategy=fsdp", "parallel.fsdp.cpu_offload=true"]
+    assert load_recipe(QUICKSTART, offload).parallel.shards_at_init is False  # not supported yet
+    with pytest.raises(RecipeError, match="not supported with parallel.fsdp.cpu_offload yet"):
+        load_recipe(QUICKSTART, [*offload, "parallel.sharded_init=true"])
     stage3 = load_recipe(QUICKSTART, ["parallel.strategy=deepspeed", "training.precision=fp32"])
     assert stage3.parallel.shards_at_init is True
     assert (

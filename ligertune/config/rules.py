@@ -222,7 +222,7 @@ def _deepspeed_options(recipe: Recipe) -> list[str]:
 
 @rule("parallel.sharded_init_needs_sharding")
 def _sharded_init_needs_sharding(recipe: Recipe) -> list[str]:
-    """parallel.sharded_init: true needs a strategy that shards the parameters (fsdp, deepspeed stage 3)."""
+    """parallel.sharded_init: true needs a strategy that shards the parameters (fsdp without cpu_offload, ZeRO-3)."""
     parallel = recipe.parallel
     sharding = parallel.strategy == "fsdp" or (
         parallel.strategy == "deepspeed" and parallel.deepspeed.zero_stage == 3
@@ -232,6 +232,11 @@ def _sharded_init_needs_sharding(recipe: Recipe) -> list[str]:
             f"parallel.sharded_init: true, but parallel.strategy {parallel.strategy}"
             + (f" (ZeRO stage {parallel.deepspeed.zero_stage})" if parallel.strategy == "deepspeed" else "")
             + " keeps whole parameters on every rank; use fsdp or deepspeed with zero_stage 3, or sharded_init auto"
+        ]
+    if parallel.sharded_init is True and parallel.strategy == "fsdp" and parallel.fsdp.cpu_offload:
+        # The shards would be made in CPU memory, from which NCCL cannot broadcast rank 0's weights.
+        return [
+            "parallel.sharded_init: true is not supported with parallel.fsdp.cpu_offload yet; set it to auto or false"
         ]
     return []
 
@@ -269,7 +274,9 @@ def _lora_combinations(recipe: Recipe) -> list[str]:
             "or ddp (a quantised 8B model fits one GPU)"
         )
     if lora is not None and recipe.training.fp8 != "none":
-        problems.append("training.fp8: not supported with lora (peft cannot wrap float8 layers); set training.fp8=none")
+        problems.append(
+            "training.fp8: not supported with lora (peft cannot wrap float8 layers); set training.fp8=none"
+        )
     if lora is not None and recipe.parallel.sharded_init is True:
         problems.append(
             "parallel.sharded_init: true is not supported with lora (the shards are filled from a plain "
@@ -277,8 +284,6 @@ def _lora_combinations(recipe: Recipe) -> list[str]:
         )
     if recipe.export.merge_lora and lora is None:
         problems.append("export.merge_lora: there is nothing to merge without a lora section; remove it")
-    if recipe.export.merge_lora and not recipe.checkpoint.export_hf:
-        problems.append("export.merge_lora is set but checkpoint.export_hf is false; set checkpoint.export_hf=true")
     return problems
 
 
@@ -320,7 +325,9 @@ def _packages_installed(recipe: Recipe) -> list[str]:
             "install it with: pip install 'ligertune[fp8]'"
         )
     if recipe.lora is not None and importlib.util.find_spec("peft") is None:
-        problems.append("lora: needs peft, which is not installed; install it with: pip install 'ligertune[lora]'")
+        problems.append(
+            "lora: needs peft, which is not installed; install it with: pip install 'ligertune[lora]'"
+        )
     # Each metric logger's package has the logger's name (tensorboard, wandb, mlflow).
     for name in [n for n in recipe.logging.selected_loggers() if importlib.util.find_spec(n) is None]:
         key = "logging.tensorboard" if name not in recipe.logging.loggers else "logging.loggers"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 
 import torch
 
@@ -68,6 +69,9 @@ class DeepSpeedRuntime(ProcessGroupRuntime):
         super().__init__(recipe)
         self.options = recipe.parallel.deepspeed
         self.config = deepspeed_config(recipe)
+        # DeepSpeed reads LOCAL_RANK (zero.Init, initialize); a job of one process started
+        # without a launcher has none: the value a launcher would set.
+        os.environ.setdefault("LOCAL_RANK", str(self.local_rank))
         self.sharded_init = recipe.parallel.shards_at_init
         self.recipe = recipe
         self.engine = None
@@ -94,9 +98,8 @@ class DeepSpeedRuntime(ProcessGroupRuntime):
         if recipe.model.config is not None:  # random init: rank 0's plain seeded one, copied in below
             if self.is_main:
                 source = self.whole_model_on_rank0(recipe, build_model(recipe, self.device, empty=True))
-        zero3 = HfDeepSpeedConfig(
-            copy.deepcopy(self.config)
-        )  # transformers builds under zero.Init while it lives
+        # transformers builds under zero.Init while this lives.
+        zero3 = HfDeepSpeedConfig(copy.deepcopy(self.config))
         try:
             model = build_model(recipe, self.device)
         finally:

@@ -40,18 +40,16 @@ class FSDPRuntime(ProcessGroupRuntime):
 
     Sharded initialisation (``parallel.sharded_init``, on by default): `build_model` returns
     the model on the meta device (shapes only), `wrap` shards that empty model, allocates only
-    this rank's shards (``to_empty``) and fills them from rank 0: rank 0 builds the model whole
-    *in CPU memory* (``from_pretrained`` on the CPU, or the seeded random init) and
-    ``set_model_state_dict(..., broadcast_from_rank0=True)`` sends each tensor in turn, every
-    rank keeping its slice. So no GPU ever holds the whole model, and the weights are exactly
-    those of a plain build (same loader, same seeded init). The price is one copy of the model
-    in rank 0's host memory (a 70B model in bf16: 140 GB), which an 8-GPU host has, and a
-    broadcast of every weight at start. Non-persistent buffers (rotary ``inv_freq``) are in
-    no state dict; they are broadcast from rank 0's model too, which needs no knowledge of how
-    a family computes them. A random init is made where the plain build makes it (rank 0's
-    GPU, so the weights equal a one-GPU run's bit for bit) unless the model would take more
-    than half of that GPU's free memory; then on the CPU, whose random numbers differ from
-    CUDA's (the run log says so).
+    this rank's shards (``to_empty``) and fills them from rank 0, which builds the model whole
+    by the plain path (`ProcessGroupRuntime.whole_model_on_rank0`: pretrained weights in CPU
+    memory) and sends one tensor at a time with ``set_model_state_dict(...,
+    broadcast_from_rank0=True)``, every rank keeping its slice. So no GPU holds the whole model,
+    and the weights are exactly those of a plain build. The price: one copy of the model in
+    rank 0's host memory (a 70B model in bf16: 140 GB, which an 8-GPU host has) and a broadcast
+    of every weight at start. Buffers are broadcast from rank 0's model as well: the
+    non-persistent ones (rotary ``inv_freq``) are in no state dict, and copying them needs no
+    knowledge of how a family computes them. Not with ``cpu_offload`` yet (the recipe rules
+    turn it off): the shards would be allocated in CPU memory, which NCCL cannot broadcast into.
     """
 
     strategy = "fsdp"
@@ -108,13 +106,7 @@ class FSDPRuntime(ProcessGroupRuntime):
         weights. *Collective.*"""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        # Shards where the optimizer wants them (the CPU under offload); buffers (never
-        # sharded) on the device, where the forward reads them.
-        model.to_empty(device=self.param_device)
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.device != self.device:
-                    module._buffers[name] = torch.empty_like(buffer, device=self.device)
+        model.to_empty(device=self.device)  # this rank's shards and the (unsharded) buffers
         source = self.whole_model_on_rank0(self.recipe, model) if self.is_main else None
         full_state = source.state_dict() if source is not None else {}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
@@ -163,7 +155,11 @@ class FSDPRuntime(ProcessGroupRuntime):
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=checkpoint.path / "dcp")
         set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=options,
         )
 
 

@@ -52,7 +52,10 @@ from transformers import masking_utils
 ATTENTION_BACKENDS = ("sdpa", "eager", "flex_attention", "flash_attention_2")
 
 # The layer types whose masks transformers builds with the two builders we call.
-_MASK_BUILDERS = {"full_attention": "create_causal_mask", "sliding_attention": "create_sliding_window_causal_mask"}
+_MASK_BUILDERS = {
+    "full_attention": "create_causal_mask",
+    "sliding_attention": "create_sliding_window_causal_mask",
+}
 
 
 def choose_attention(requested: str, on_cuda: bool, packing: bool) -> tuple[str, str]:
@@ -60,7 +63,10 @@ def choose_attention(requested: str, on_cuda: bool, packing: bool) -> tuple[str,
     if requested != "auto":
         return requested, "as the recipe says"
     if on_cuda and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2", "auto: CUDA with flash-attn installed (variable-length calls for packed rows)"
+        return (
+            "flash_attention_2",
+            "auto: CUDA with flash-attn installed (variable-length calls for packed rows)",
+        )
     if on_cuda and packing:
         return "flex_attention", "auto: CUDA with packed rows (FlexAttention skips the cross-sample blocks)"
     if on_cuda:

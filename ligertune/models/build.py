@@ -196,7 +196,9 @@ def _build_quantized(recipe: Recipe, config, device: torch.device, common: dict)
 
     from transformers import AutoModelForCausalLM
 
-    load = dict(common, quantization_config=quantization_config(recipe.model.quantize), device_map=str(device))
+    load = dict(
+        common, quantization_config=quantization_config(recipe.model.quantize), device_map=str(device)
+    )
     if recipe.model.config is None:
         try:
             return AutoModelForCausalLM.from_pretrained(

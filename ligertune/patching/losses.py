@@ -135,7 +135,8 @@ def fused_head(head: nn.Module):
             why = "a LoRA bias"
         if why:
             return None, f"LoRA on the lm_head with {why}: HF's loss over materialised logits"
-        return functools.partial(_lora_head_loss, head, adapters[0]), "fused with the LoRA adapter ([h | s·A·h]·[W | B]ᵀ)"
+        loss = functools.partial(_lora_head_loss, head, adapters[0])
+        return loss, "fused with the LoRA adapter ([h | s·A·h]·[W | B]ᵀ)"
     return None, f"lm_head is {type(head).__name__}"
 
 

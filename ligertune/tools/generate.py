@@ -21,6 +21,9 @@ the CPU in fp32.
 
 from __future__ import annotations
 
+import contextlib
+import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,7 +134,8 @@ def _from_checkpoint(checkpoint: Path, device: torch.device) -> tuple[nn.Module,
     elif state.format == "deepspeed":
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint / "deepspeed"), tag="deepspeed")
+        with contextlib.redirect_stdout(sys.stderr):  # its progress prints; stdout is the completion's
+            weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="deepspeed")
     else:
         raise GenerateError(f"{checkpoint}: unknown checkpoint format {state.format!r}")
     missing, unexpected = model.load_state_dict(weights, strict=False)
@@ -151,7 +155,9 @@ def _dcp_model_state(directory: Path, model: nn.Module) -> dict[str, torch.Tenso
     import torch.distributed.checkpoint as dcp
 
     state = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
-    dcp.load(state, checkpoint_id=directory)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=directory)
     return state["model"]
 
 

@@ -48,7 +48,9 @@ PROVIDERS: dict[str, Provider] = {
     "ligertune": Provider(DEFAULT_KERNELS),  # our kernels, the selection of `kernels: all`
     "liger": Provider((), ("plugins=[liger]",), default_attention="sdpa"),  # Liger-Kernel's instance patch
     "eager-compile": Provider((), ("training.compile=true",), default_attention="sdpa"),
-    "ligertune-sdpa": Provider(DEFAULT_KERNELS, default_attention="sdpa"),  # ours without the packed-row backend
+    "ligertune-sdpa": Provider(
+        DEFAULT_KERNELS, default_attention="sdpa"
+    ),  # ours without the packed-row backend
     "ligertune-compile": Provider(DEFAULT_KERNELS, ("training.compile=true",)),
     "ligertune-compile-fp8": Provider(DEFAULT_KERNELS, ("training.compile=true", "training.fp8=rowwise")),
 }

@@ -157,7 +157,9 @@ def make_plan(
     _check_user_overrides([*overrides, *also])
     for item in also:
         if "=" not in item:
-            raise CompareError(f"--also {item}: write one recipe override, key=value (e.g. training.compile=true)")
+            raise CompareError(
+                f"--also {item}: write one recipe override, key=value (e.g. training.compile=true)"
+            )
     recipe = load_recipe(recipe_path, overrides)
     nproc = processes_per_arm(nproc_per_node)
     if nproc > 1 and recipe.parallel.strategy == "none":
