@@ -16,22 +16,44 @@ added per token and unweighted. Differentiating, with ``W = Σ_j w_j`` (``V`` wi
 
 Rows whose target is ``ignore_index`` have ℓ = 0 and a zero gradient row.
 
+Precision. The kernel never forms ``lse − z_j`` from a rounded ``lse``: rounding ``lse`` costs
+half an ulp of ``|lse|`` (1.5e-5 absolute at 300), an error every ``p_j`` and every loss term
+would inherit as a relative error of the same size. With ``m`` the row max and ``d = Σ_j
+exp(z_j − m)`` it uses ``p_j = exp((z_j − m) − log d)``, ``lse − z_y = (m − z_y) + log d`` and
+``Σ_j w_j (lse − z_j) = W · log d + Σ_j w_j (m − z_j)`` (the last sum kept relative to the running
+max in the first loop). ``z_j − m`` is exact near the max and ``log d ≤ log V`` is small, so the
+softmax and the loss keep fp32's relative accuracy at any logit magnitude, like PyTorch's
+``log_softmax`` (which subtracts the max the same way). ``lse`` itself is used only where its
+absolute value matters: the z-loss ``s · lse²`` and its gradient ``2 s · lse · p_j``.
+
 Reductions (all normalisers stay device tensors: no host synchronisation anywhere):
 
 * ``"sum"``: Σ_i ℓ_i.  ``"none"``: the vector ℓ (fp32).
-* ``"mean"``: Σ_i ℓ_i / D with ``D`` = the number of non-ignored targets, or with class weights
-  ``Σ_{i not ignored} w_{y_i}`` — both exactly as ``torch.nn.functional.cross_entropy``, whose
-  weighted mean divides the smoothing term by that same weight sum. Where PyTorch returns NaN
-  (``D = 0``: every target ignored) this returns 0 with a zero gradient.
-* ``num_items_in_batch`` (only with ``reduction="mean"``): ``D`` is replaced by the given token
-  count, so the micro-batches of a gradient-accumulation step, each divided by the step's total
-  count, add up to the loss and gradient of the one big batch.
+* ``"mean"``: Σ_i ce_i / D + Σ_i s · lse_i² / T, with ``ce_i`` the first two terms of ℓ_i,
+  ``T`` the number of non-ignored targets and ``D = T``, or with class weights
+  ``D = Σ_{i not ignored} w_{y_i}`` — the cross entropy exactly as
+  ``torch.nn.functional.cross_entropy``, whose weighted mean divides the smoothing term by that
+  same weight sum. Without class weights ``D = T`` and this is Σ_i ℓ_i / T. Where PyTorch returns
+  NaN (``T = 0``: every target ignored) this returns 0 with a zero gradient.
+* The z-loss is divided by the token count ``T`` even with class weights (as Liger-Kernel does;
+  issue #19). The weighted mean is a weighted average of the per-token cross entropy, invariant
+  to multiplying every class weight by a constant; the z-loss is a regulariser on every token's
+  log-partition function, which the class weights do not weigh (it is added unweighted per
+  token). Dividing it by ``Σ w_y`` would make its strength depend on the arbitrary scale of the
+  weights (weights ×10 → z-loss ÷10) and on the batch's class mix; dividing by ``T`` keeps ``s``
+  meaning "per token", as in PaLM's definition of the z-loss.
+* ``num_items_in_batch`` (only with ``reduction="mean"``): ``D`` and ``T`` are both replaced by
+  the given count, so the micro-batches of a gradient-accumulation step, each divided by the
+  step's total count, add up to the loss and gradient of the one big batch (with class weights
+  and a z-loss the big batch has two normalisers, which one count cannot reproduce: pass the
+  step's ``Σ w_y`` to match its cross entropy, its token count to match its z-loss).
 
-``z_loss`` (when asked) is ``Σ_i s · lse_i²`` under the same reduction and normaliser, returned
-detached for logging: its gradient is already part of ``loss``'s. ``token_accuracy`` is the
-fraction of non-ignored tokens whose argmax (first maximum on ties, like ``torch.argmax``) is the
-target, or, for ``reduction="none"``, a 0/1 value per token (0 on ignored ones); it comes from the
-same pass over the logits. The loss is always fp32; the gradient has the logits' dtype.
+``z_loss`` (when asked) is ``Σ_i s · lse_i²`` under the same reduction (for ``"mean"`` divided
+by ``T``, or by ``num_items_in_batch``), returned detached for logging: its gradient is already
+part of ``loss``'s. ``token_accuracy`` is the fraction of non-ignored tokens whose argmax (first
+maximum on ties, like ``torch.argmax``) is the target, or, for ``reduction="none"``, a 0/1 value
+per token (0 on ignored ones); it comes from the same pass over the logits. The loss is always
+fp32; the gradient has the logits' dtype.
 
 Kernel design. CE is a streaming problem: read the logits once, write the gradient once (speed
 of light for bf16 8192 × 128256 on an H200 is 2 × 2.1 GB / 4.2 TB/s ≈ 1.0 ms). One program per
@@ -128,9 +150,11 @@ def _cross_entropy_kernel(
     Z_LOSS,
     CORRECT,
     GRAD_SCALE,
+    Z_GRAD_SCALE,
     stride_logits,
     stride_grad,
     stride_grad_scale,
+    stride_z_grad_scale,
     n_cols,
     ignore_index,
     label_smoothing,
@@ -164,8 +188,8 @@ def _cross_entropy_kernel(
     # Pass 1: online max and sum of exponentials (and the smoothing sums and the argmax).
     m = tl.full([], _MAX_FLOOR, tl.float32)
     d = tl.zeros([], tl.float32)
-    sum_wz = tl.zeros([], tl.float32)  # Σ_j w_j z_j   (smoothing only)
-    sum_w = tl.zeros([], tl.float32)  # Σ_j w_j       (smoothing with class weights only)
+    sum_wdz = tl.zeros([], tl.float32)  # Σ_j w_j (m − z_j) over the columns so far (smoothing only)
+    sum_w = tl.zeros([], tl.float32)  # Σ_j w_j over the columns so far (smoothing only)
     best = tl.full([], float("-inf"), tl.float32)
     best_idx = tl.zeros([], tl.int32)
     for start in range(0, n_cols, BLOCK):
@@ -181,16 +205,17 @@ def _cross_entropy_kernel(
             z = tl.where(mask, softcap * _tanh(z / softcap), float("-inf"))
         m_new = tl.maximum(m, tl.max(z, axis=0))
         d = d * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-        m = m_new
         if HAS_SMOOTHING:
-            z_in = tl.where(mask, z, 0.0)
             if HAS_WEIGHT:
                 w = tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32)
-                sum_wz += tl.sum(w * z_in, axis=0)
-                sum_w += tl.sum(w, axis=0)
             else:
-                sum_wz += tl.sum(z_in, axis=0)
-    lse = m + tl.log(d)
+                w = mask.to(tl.float32)
+            # Moving the running max from m to m_new adds (m_new − m) to every m − z_j seen so far.
+            sum_wdz += sum_w * (m_new - m) + tl.sum(w * tl.where(mask, m_new - z, 0.0), axis=0)
+            sum_w += tl.sum(w, axis=0)
+        m = m_new
+    log_d = tl.log(d)
+    lse = m + log_d
 
     # A target outside [0, V) reads NaN instead of out-of-bounds memory: the row's loss is NaN.
     y_ok = (y >= 0) & (y < n_cols)
@@ -201,16 +226,14 @@ def _cross_entropy_kernel(
         w_y = tl.load(CLASS_WEIGHT + y, mask=y_ok, other=float("nan")).to(tl.float32)
     else:
         w_y = 1.0
-    if HAS_WEIGHT:
-        w_total = sum_w
-    else:
-        w_total = n_cols * 1.0
     eps_per_class = label_smoothing / n_cols
 
+    # lse − z_j = (m − z_j) + log d: never lse − z_j itself, whose rounding of lse (half an ulp of
+    # |lse|, 1.5e-5 at 300) would be the error of every term (module docstring, "Precision").
     z_loss = lse_square_scale * lse * lse
-    loss = (1.0 - label_smoothing) * w_y * (lse - z_y) + z_loss
+    loss = (1.0 - label_smoothing) * w_y * ((m - z_y) + log_d) + z_loss
     if HAS_SMOOTHING:
-        loss += eps_per_class * (w_total * lse - sum_wz)
+        loss += eps_per_class * (sum_w * log_d + sum_wdz)
     tl.store(LOSS + row, loss)
     tl.store(Z_LOSS + row, z_loss)
     if COMPUTE_ACC:
@@ -220,10 +243,11 @@ def _cross_entropy_kernel(
     # every element is read before the same program overwrites it).
     if COMPUTE_GRAD:
         scale = tl.load(GRAD_SCALE + row * stride_grad_scale).to(tl.float32)
-        a = (1.0 - label_smoothing) * w_y + 2.0 * lse_square_scale * lse
+        z_scale = tl.load(Z_GRAD_SCALE + row * stride_z_grad_scale).to(tl.float32)
+        a = (1.0 - label_smoothing) * w_y
         if HAS_SMOOTHING:
-            a += eps_per_class * w_total
-        a *= scale
+            a += eps_per_class * sum_w
+        a = a * scale + (2.0 * lse_square_scale * lse) * z_scale
         at_target = scale * (1.0 - label_smoothing) * w_y
         # Backwards over the row: the blocks pass 1 read last are the likeliest to still be in L2.
         n_blocks = tl.cdiv(n_cols, BLOCK)
@@ -234,7 +258,8 @@ def _cross_entropy_kernel(
             if HAS_SOFTCAP:
                 t = _tanh(z / softcap)
                 z = softcap * t
-            g = tl.exp(z - lse) * a
+            # p_j = exp((z_j − m) − log d): z_j − m is exact near the max (Sterbenz), log d small.
+            g = tl.exp((z - m) - log_d) * a
             if HAS_SMOOTHING:
                 if HAS_WEIGHT:
                     w = tl.load(CLASS_WEIGHT + cols, mask=mask, other=0.0).to(tl.float32)
@@ -277,18 +302,23 @@ def launch_cross_entropy(
     correct_rows: torch.Tensor | None,
     grad: torch.Tensor | None,
     grad_scale: torch.Tensor | None,
+    z_grad_scale: torch.Tensor | None = None,
 ) -> None:
     """Run the kernel over the rows of ``logits`` [N, V] (unit column stride).
 
     Writes per-row fp32 ``loss_rows``, ``z_rows`` and (if given) ``correct_rows``; when ``grad``
     is given (it may be ``logits`` itself) writes ∂ℓ_i/∂x_i · scale_i into it, where ``grad_scale``
     is a 0-d tensor (one scale for all rows) or an [N] tensor (row ``i`` uses element ``i``).
+    ``z_grad_scale`` (same forms; ``grad_scale`` when None) scales the z-loss term's part of the
+    gradient instead: the two differ for a class-weighted mean (``z_loss_scale``).
     """
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
     block = min(next_power_of_2(n_cols), _INTERPRET_BLOCK if INTERPRET else _GPU_BLOCK)
     compute_grad = grad is not None
+    if z_grad_scale is None:
+        z_grad_scale = grad_scale
     _cross_entropy_kernel[(n_rows,)](
         logits,
         grad if compute_grad else logits,
@@ -298,9 +328,11 @@ def launch_cross_entropy(
         z_rows,
         correct_rows if correct_rows is not None else loss_rows,
         grad_scale if compute_grad else loss_rows,
+        z_grad_scale if compute_grad else loss_rows,
         logits.stride(0),
         grad.stride(0) if compute_grad else 0,
         grad_scale.stride(0) if compute_grad and grad_scale.dim() == 1 else 0,
+        z_grad_scale.stride(0) if compute_grad and z_grad_scale.dim() == 1 else 0,
         n_cols,
         opts.ignore_index,
         opts.label_smoothing,
@@ -370,6 +402,21 @@ def reduction_scale(
     return torch.where(denom > 0, 1.0 / denom, 0.0), n_valid
 
 
+def z_loss_scale(
+    scale: torch.Tensor,
+    n_valid: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    opts: CEOptions,
+    num_items_in_batch,
+) -> torch.Tensor:
+    """The factor of the summed z-loss: ``scale`` (the cross entropy's), except for a
+    class-weighted mean without ``num_items_in_batch``, where it is 1/(non-ignored tokens) and
+    ``scale`` is 1/Σ w_y (module docstring, "Reductions")."""
+    if opts.reduction != "mean" or class_weight is None or num_items_in_batch is not None:
+        return scale
+    return torch.where(n_valid > 0, 1.0 / n_valid.clamp_min(1.0), 0.0)
+
+
 def reduce_rows(
     loss_rows: torch.Tensor,
     z_rows: torch.Tensor,
@@ -377,14 +424,20 @@ def reduce_rows(
     scale: torch.Tensor,
     n_valid: torch.Tensor,
     opts: CEOptions,
+    z_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(loss, z_loss or None, token_accuracy or None) from the per-row kernel outputs."""
+    """(loss, z_loss or None, token_accuracy or None) from the per-row kernel outputs.
+
+    ``loss_rows`` include the z-loss; ``z_scale`` (``scale`` when None) is the z-loss's factor,
+    so the loss is ``scale · Σ ℓ_i + (z_scale − scale) · Σ z_i``."""
     z = z_rows if opts.return_z_loss else None
     if opts.reduction == "none":
         return loss_rows, z, correct_rows
     loss = loss_rows.sum() * scale
+    if z_scale is not None and z_scale is not scale:
+        loss = loss + z_rows.sum() * (z_scale - scale)
     if z is not None:
-        z = z.sum() * scale
+        z = z.sum() * (scale if z_scale is None else z_scale)
     acc = None if correct_rows is None else correct_rows.sum() / n_valid.clamp_min(1.0)
     return loss, z, acc
 
@@ -396,14 +449,22 @@ def row_outputs(n_rows: int, device: torch.device, with_accuracy: bool):
     return torch.empty(n_rows, **f32), torch.empty(n_rows, **f32), correct_rows
 
 
-def finish_forward(ctx, rows, scale: torch.Tensor, n_valid: torch.Tensor, opts: CEOptions):
+def finish_forward(
+    ctx,
+    rows,
+    scale: torch.Tensor,
+    n_valid: torch.Tensor,
+    opts: CEOptions,
+    z_scale: torch.Tensor | None = None,
+):
     """The end of an autograd ``forward`` that computed its gradients in the forward pass.
 
-    Reduces the per-row outputs ``rows`` (as from ``row_outputs``), marks z_loss and
+    Reduces the per-row outputs ``rows`` (as from ``row_outputs``; ``z_scale`` as in
+    ``reduce_rows``), marks z_loss and
     token_accuracy as non-differentiable (reported values: the z-loss gradient is already part of
     the loss's) and arms the run-once guard of ``claim_backward``.
     """
-    loss, z, acc = reduce_rows(*rows, scale, n_valid, opts)
+    loss, z, acc = reduce_rows(*rows, scale, n_valid, opts, z_scale)
     ctx.backward_done = False
     ctx.mark_non_differentiable(*(t for t in (z, acc) if t is not None))
     return loss, z, acc
@@ -540,6 +601,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         compute_grad = grad_enabled and ctx.needs_input_grad[0]
         n_rows, n_cols = logits.shape
         scale, n_valid = reduction_scale(target, class_weight, opts, num_items, n_cols)
+        z_scale = z_loss_scale(scale, n_valid, class_weight, opts, num_items)
         loss_rows, z_rows, correct_rows = row_outputs(n_rows, logits.device, opts.return_token_accuracy)
         grad = None
         if compute_grad:
@@ -555,9 +617,10 @@ class _CrossEntropyFunction(torch.autograd.Function):
             correct_rows=correct_rows,
             grad=grad,
             grad_scale=scale,
+            z_grad_scale=z_scale,
         )
         ctx.save_for_backward(grad)
-        return finish_forward(ctx, (loss_rows, z_rows, correct_rows), scale, n_valid, opts)
+        return finish_forward(ctx, (loss_rows, z_rows, correct_rows), scale, n_valid, opts, z_scale)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z, _grad_acc):
@@ -682,7 +745,8 @@ def reference_loss(
     if opts.softcap is not None:
         x = opts.softcap * torch.tanh(x / opts.softcap)
     lse = torch.logsumexp(x, dim=-1)
-    logp = x - lse[:, None]
+    # Not x − lse: log_softmax subtracts the max first (see "Precision" in the module docstring).
+    logp = torch.log_softmax(x, dim=-1)
     valid = target != opts.ignore_index
     safe_target = torch.where(valid, target, 0).long()
     eps = opts.label_smoothing
@@ -695,22 +759,25 @@ def reference_loss(
         smooth = -(logp * w).sum(-1)
     nll = -logp.gather(1, safe_target[:, None]).squeeze(1) * w_y
     z_rows = torch.where(valid, opts.lse_square_scale * lse.square(), 0.0)
-    loss_rows = torch.where(valid, (1.0 - eps) * nll + (eps / n_cols) * smooth, 0.0) + z_rows
+    ce_rows = torch.where(valid, (1.0 - eps) * nll + (eps / n_cols) * smooth, 0.0)
+    loss_rows = ce_rows + z_rows
     correct = (valid & (logits.argmax(-1) == target)).to(x.dtype) if opts.return_token_accuracy else None
 
     if opts.reduction == "none":
         return package(loss_rows, z_rows if opts.return_z_loss else None, correct, opts)
+    n_valid = valid.sum().to(x.dtype)
     if num_items_in_batch is not None:
-        denom = torch.as_tensor(num_items_in_batch, device=x.device).to(x.dtype)
+        denom = z_denom = torch.as_tensor(num_items_in_batch, device=x.device).to(x.dtype)
     elif opts.reduction == "mean":
-        denom = torch.where(valid, w_y, 0.0).sum()
+        denom, z_denom = torch.where(valid, w_y, 0.0).sum(), n_valid
     else:
-        denom = torch.ones((), dtype=x.dtype, device=x.device)
-    # A factor that does not depend on the logits: dividing by a zero count would give NaN
+        denom = z_denom = torch.ones((), dtype=x.dtype, device=x.device)
+    # Factors that do not depend on the logits: dividing by a zero count would give NaN
     # gradients through torch.where, multiplying by 0 gives zeros.
     scale = torch.where(denom > 0, 1.0 / denom, 0.0)
-    loss = loss_rows.sum() * scale
-    z_loss = z_rows.sum() * scale if opts.return_z_loss else None
+    z_scale = torch.where(z_denom > 0, 1.0 / z_denom, 0.0)
+    loss = ce_rows.sum() * scale + z_rows.sum() * z_scale
+    z_loss = z_rows.sum() * z_scale if opts.return_z_loss else None
     acc = correct.sum() / valid.sum().clamp_min(1) if correct is not None else None
     return package(loss, z_loss, acc, opts)
 

@@ -67,6 +67,7 @@ from .cross_entropy import (
     reference_loss,
     row_outputs,
     scale_rows_,
+    z_loss_scale,
 )
 
 __all__ = [
@@ -130,6 +131,11 @@ def _matmul_into(
                 out[r : r + slice_rows].copy_(part)
 
 
+def _rows_of(scale, start, end):
+    """A chunk's part of a per-row scale ([N]); a 0-d scale or None as is."""
+    return scale if scale is None or scale.dim() == 0 else scale[start:end]
+
+
 def _sweep(
     hidden,
     weight,
@@ -139,6 +145,7 @@ def _sweep(
     opts,
     *,
     grad_scale,
+    z_grad_scale=None,
     want_grads,
     compute_acc,
     accum_dtype,
@@ -147,7 +154,8 @@ def _sweep(
     """One pass over the token chunks.
 
     ``grad_scale``: None for losses only, else a 0-d tensor (one scale for every row) or an [N]
-    tensor (per-token upstream gradient). ``want_grads``: (hidden, weight, bias) flags.
+    tensor (per-token upstream gradient); ``z_grad_scale`` the z-loss term's (``grad_scale`` when
+    None; see ``launch_cross_entropy``). ``want_grads``: (hidden, weight, bias) flags.
     Returns ((loss_rows, z_rows, correct_rows), (dh, dw, db)).
     """
     n_rows, n_hidden = hidden.shape
@@ -193,7 +201,8 @@ def _sweep(
             z_rows=z_rows[start:end],
             correct_rows=correct_rows[start:end] if compute_acc else None,
             grad=logits if compute_grad else None,
-            grad_scale=grad_scale if grad_scale is None or grad_scale.dim() == 0 else grad_scale[start:end],
+            grad_scale=_rows_of(grad_scale, start, end),
+            z_grad_scale=_rows_of(z_grad_scale, start, end),
         )
         if not compute_grad:
             continue
@@ -227,6 +236,7 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grad_enabled and bias is not None and needs[3],
         )
         scale, n_valid = reduction_scale(target, class_weight, opts, num_items, weight.shape[0])
+        z_scale = z_loss_scale(scale, n_valid, class_weight, opts, num_items)
         deferred = opts.reduction == "none" and any(want)
         rows, grads = _sweep(
             hidden,
@@ -236,6 +246,7 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
             class_weight,
             opts,
             grad_scale=None if deferred else scale,
+            z_grad_scale=None if deferred else z_scale,
             want_grads=want,
             compute_acc=opts.return_token_accuracy,
             accum_dtype=accum_dtype,
@@ -247,7 +258,7 @@ class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
             ctx.sweep_args = dict(opts=opts, want_grads=want, accum_dtype=accum_dtype, budget=budget)
         else:
             ctx.save_for_backward(*grads)
-        return finish_forward(ctx, rows, scale, n_valid, opts)
+        return finish_forward(ctx, rows, scale, n_valid, opts, z_scale)
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z, _grad_acc):

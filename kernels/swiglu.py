@@ -18,7 +18,13 @@ recomputes ``act(g)`` from them: an elementwise recompute is free for a memory-b
 saves storing ``act(g)``. With ``inplace_backward=True`` the backward writes ``∂L/∂g`` and
 ``∂L/∂u`` over the saved ``g`` and ``u`` buffers, so it allocates nothing (2 × the activation's
 size less at peak). That destroys g and u: use it only where they are private intermediates,
-as inside an MLP (`GatedMLP` does). It is ignored, for safety, when g or u is a leaf tensor.
+as inside an MLP (`GatedMLP` does). It is ignored (the backward allocates) unless g and u are
+provably private: neither is a leaf nor a view of one (a parameter split with
+``param.chunk(2, -1)`` is a view of a leaf and is never written), both are viewed as rows without
+a copy, and they share no element (see `_owns_its_memory`, `_disjoint`). What cannot be checked
+is a reference the caller keeps to a non-leaf activation and reads after backward; another graph
+node that saved g or u and runs its backward later raises autograd's "modified by an inplace
+operation" error (the in-place op bumps their version counters).
 
 Speed. Pure streaming kernels: forward reads g, u and writes o; backward reads ∂L/∂o, g, u and
 writes ∂L/∂g, ∂L/∂u; fp32 arithmetic, storage dtype in and out. Contiguous inputs run as one flat
@@ -229,18 +235,71 @@ def _(dout, gate, up, activation):
     return None
 
 
+def _owns_its_memory(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is an autograd intermediate's: ``t`` is not a leaf, and neither is
+    the tensor it is a view of (``_base`` is the root of a chain of views).
+
+    A leaf is a parameter, an input the user created (with or without ``requires_grad``), or a
+    detached tensor: memory the user still holds. A view of a leaf (``param.chunk(2, -1)``,
+    ``param[:, :n]``) is itself a non-leaf, so testing ``t.is_leaf`` alone would let the backward
+    write gradients into the parameter; its ``_base`` is the leaf and gives it away. A non-leaf
+    root is the output of an op in the graph (a projection's matmul): no one but the graph holds it
+    unless the caller kept a reference, which is what ``inplace_backward=True`` promises against.
+    """
+    root = t if t._base is None else t._base
+    return not t.is_leaf and not root.is_leaf
+
+
+def _row_layout(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(storage offset, row stride, columns, rows) in elements of a `_rows_in_place` tensor."""
+    if t.is_contiguous():
+        return t.storage_offset(), max(1, t.numel()), t.numel(), 1
+    return t.storage_offset(), t.stride(-2), t.shape[-1], t.numel() // t.shape[-1]
+
+
+def _disjoint(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two `_rows_in_place` tensors of one dtype provably share no element.
+
+    Different storages, or element ranges ``[offset, offset + (rows − 1)·stride + cols)`` that do
+    not meet, are disjoint. Otherwise (the halves of one fused ``gate_up_proj`` output interleave
+    row by row) both must have one row stride ``S`` with ``cols ≤ S``: row ``r`` of a tensor is
+    ``offset + r·S + [0, cols)``, so its elements cover the residues ``offset + [0, cols)`` modulo
+    ``S``, and two such arcs of the circle ℤ/S that do not meet mean no shared element. Anything
+    else counts as overlapping (the allocating backward runs).
+    """
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return True
+    (oa, sa, na, ra), (ob, sb, nb, rb) = _row_layout(a), _row_layout(b)
+    if oa + (ra - 1) * sa + na <= ob or ob + (rb - 1) * sb + nb <= oa:
+        return True
+    if sa != sb or na > sa or nb > sb:
+        return False
+    gap = (ob - oa) % sa  # where b's arc starts, measured from the start of a's
+    return gap >= na and gap + nb <= sa
+
+
 def _gated_act_setup(ctx, inputs, output):
     gate, up, activation, inplace_backward = inputs
     ctx.save_for_backward(gate, up)
     ctx.activation = activation
-    # Overwriting user-visible leaves (inputs, parameters) would corrupt them, and one buffer
-    # passed as both gate and up cannot hold both gradients.
-    ctx.inplace = inplace_backward and not (gate.is_leaf or up.is_leaf or gate.data_ptr() == up.data_ptr())
+    # The backward may overwrite gate and up only when they are provably private temporaries:
+    # memory of autograd intermediates (never a leaf or a view of one: parameters, user inputs),
+    # viewed without a copy (else the gradients would land in `_as_rows`'s copies), and disjoint
+    # (one buffer, or overlapping views, cannot hold both gradients). Evaluated in eager mode only:
+    # under compile `inplace_backward` is False and the short-circuit skips the address checks.
+    ctx.inplace = (
+        inplace_backward
+        and _owns_its_memory(gate)
+        and _owns_its_memory(up)
+        and _rows_in_place(gate)
+        and _rows_in_place(up)
+        and _disjoint(gate, up)
+    )
 
 
 def _gated_act_backward(ctx, dout):
     gate, up = ctx.saved_tensors
-    if ctx.inplace and _rows_in_place(gate) and _rows_in_place(up):
+    if ctx.inplace:
         _gated_act_bwd_(dout, gate, up, ctx.activation)
         return gate, up, None, None
     dgate, dup = _gated_act_bwd(dout, gate, up, ctx.activation)

@@ -29,3 +29,8 @@ class DataError(ValueError):
 
 class TrainingError(RuntimeError):
     """The run cannot go on (e.g. a non-finite loss); the message says where and what to do."""
+
+
+class OutOfMemoryError(TrainingError):
+    """The GPU ran out of memory in a step; the message names the plan's suggestion. A type of its
+    own so that `ligertune compare` reports the arm as out of memory, a finding, not a failure."""

@@ -483,8 +483,9 @@ CASES = [
     ),
     Case(
         "bad_data_format",
-        "data.format: got 'sharegpt'; allowed: 'alpaca', 'chat' or 'pretokenized'",
-        "model:\n  config: tiny-llama\ndata:\n  path: ligertune://alpaca_sample.jsonl\n  format: sharegpt\n",
+        "data.format: got 'openai'; allowed: 'alpaca', 'chat', 'messages', 'sharegpt', 'prompt_completion', "
+        "'pretokenized', 'preference' or 'kto'",
+        "model:\n  config: tiny-llama\ndata:\n  path: ligertune://alpaca_sample.jsonl\n  format: openai\n",
     ),
     Case(
         "data_file_missing",

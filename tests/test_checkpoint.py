@@ -18,16 +18,8 @@ import pytest
 import torch
 
 from ligertune.errors import TrainingError
-from ligertune.run.checkpoint import (
-    COMPLETE,
-    MANIFEST,
-    CheckpointManager,
-    DamagedCheckpoint,
-    atomic_directory,
-    load_checkpoint,
-    restore_rng_state,
-    verify_checkpoint,
-)
+from ligertune.run.checkpoint import CheckpointManager, atomic_directory, load_checkpoint, restore_rng_state
+from ligertune.run.manifest import COMPLETE, MANIFEST, DamagedCheckpoint, verify_checkpoint
 
 
 def _save(manager: CheckpointManager, step: int, value: float) -> Path:

@@ -23,22 +23,14 @@ import pytest
 import torch
 
 from ligertune.config import RecipeError, load_recipe
-from ligertune.run.checkpoint import MANIFEST, MODEL_FILE, load_checkpoint, verify_checkpoint
+from ligertune.run.checkpoint import MODEL_FILE, load_checkpoint
 from ligertune.run.lock import LOCK_FILE
+from ligertune.run.manifest import MANIFEST, verify_checkpoint
 from ligertune.training import TrainingError, train
-from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT, TINY_MODEL, pythonpath_with_root
+from tests.helpers import QUICKSTART, ROOT, pythonpath_with_root
+from tests.test_train import TINY as TRAIN_TINY
 
-TINY = [
-    *TINY_MODEL,
-    *PLAIN_RUN,
-    "data.validation_fraction=0.0",
-    "training.micro_batch_size=2",
-    "training.gradient_accumulation_steps=1",
-    "training.warmup_steps=2",
-    "training.eval_every=null",
-    "checkpoint.every_steps=2",
-    "checkpoint.keep_last=3",
-]
+TINY = [*TRAIN_TINY, "checkpoint.every_steps=2", "checkpoint.keep_last=3"]
 STALL_PLUGIN = "plugins=[tests.test_faults:stall_in_save_of_step_4]"
 
 

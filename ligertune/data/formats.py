@@ -15,6 +15,8 @@ shifts them: the logits at position t are scored against labels[t + 1]):
 * ``sharegpt``: a list of ``{from, value}`` turns (column ``conversations``), roles human, gpt
   and system read as user, assistant and system; then as ``chat``.
 * ``pretokenized``: ``input_ids`` and optionally ``labels`` (default: every token), used as is.
+* ``preference`` (prompt, chosen, rejected) and ``kto`` (prompt, completion, label): two
+  sequences per row, see `ligertune.data.preference`.
 
 Prompt and response are tokenized separately and concatenated, so the label boundary is
 exact. The price is that no token spans that boundary: harmless for byte-level BPE (Llama 3,
@@ -73,7 +75,9 @@ SHAREGPT_ROLES = {
     "assistant": "assistant",
     "system": "system",
 }
-FORMATS = ("alpaca", "prompt_completion", "chat", "sharegpt", "pretokenized")
+FORMATS = ("alpaca", "prompt_completion", "chat", "sharegpt", "pretokenized", "preference", "kto")
+# Rows of two sequences trained together, tokenised by `ligertune.data.preference`.
+PAIR_FORMATS = ("preference", "kto")
 
 
 def canonical_format(fmt: str) -> str:
@@ -95,6 +99,8 @@ def columns_for(fmt: str, messages_field: str | None = None) -> tuple[list[str],
         "chat": ([field], []),
         "sharegpt": ([field], []),
         "pretokenized": (["input_ids"], ["labels"]),
+        "preference": (["prompt", "chosen", "rejected"], ["ref_chosen_logps", "ref_rejected_logps"]),
+        "kto": (["prompt", "completion", "label"], ["ref_logps", "ref_kl_logps"]),
     }[fmt]
 
 
@@ -347,6 +353,8 @@ def tokenize_rows(
 ) -> list[Sample]:
     """Rows of one split in the given format → samples (not yet truncated)."""
     fmt = canonical_format(fmt)
+    if fmt in PAIR_FORMATS:
+        raise DataError(f"{source}: data.format {fmt} is tokenised in pairs (ligertune.data.preference)")
     if fmt == "pretokenized":
         return pretokenized_samples(rows, len(tokenizer), source)
     if tokenizer.eos_token_id is None:

@@ -49,6 +49,7 @@ from ligertune.data.cache import (
 )
 from ligertune.data.formats import Sample, check_columns, columns_for, tokenize_rows
 from ligertune.data.packing import SequenceDataset, layout_rows, truncate_and_mask
+from ligertune.data.preference import PAIR_FORMATS, pair_features, pair_rows, tokenize_pair_batch
 from ligertune.data.prepared import DataStats, Log, PreparedData
 from ligertune.data.sources import SourceSpec, load_split, quiet_datasets, source_fingerprint, source_specs
 from ligertune.data.streaming import build_streaming
@@ -277,13 +278,14 @@ class _Builder:
         selected = source.select_columns(columns).select(rows.tolist())
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         num_proc = min(8, os.cpu_count() or 1) if len(rows) > PARALLEL_ROWS else 1
+        pairs = spec.format in PAIR_FORMATS  # two sequences per row (ligertune.data.preference)
         return selected.map(
-            tokenize_batch,
+            tokenize_pair_batch if pairs else tokenize_batch,
             batched=True,
             batch_size=MAP_BATCH,
             with_indices=True,
             remove_columns=columns,
-            features=sample_features(),
+            features=pair_features() if pairs else sample_features(),
             num_proc=num_proc if num_proc > 1 else None,
             cache_file_name=str(cache_file),
             new_fingerprint=f"{cache_file.stem}-{os.getpid()}-{time.time_ns()}",
@@ -388,6 +390,9 @@ def _rows(
 ) -> tuple[SequenceDataset, DataStats]:
     """Cached samples → rows, read as flat Arrow buffers (no Python object per token)."""
     import pyarrow.compute as pc
+
+    if "split" in samples.column_names:  # pairs (ligertune.data.preference)
+        return pair_rows(samples, data.max_seq_len, pad_token_id)
 
     table = samples.with_format("arrow")[:]
     ids_col = table.column("input_ids").combine_chunks()

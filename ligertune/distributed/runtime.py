@@ -78,11 +78,6 @@ class Runtime:
         return self.rank == 0
 
     @property
-    def init_device(self) -> torch.device:
-        """Where to materialise the model's weights before `wrap`."""
-        return self.device
-
-    @property
     def param_device(self) -> torch.device:
         """Where the parameters the optimizer updates live (the CPU when they are offloaded)."""
         return self.device
@@ -116,7 +111,7 @@ class Runtime:
         """Move the model to its device, wrap it for the strategy and build the optimizer over
         the parameters the strategy trains. Returns (what to call, the optimizer whose
         ``param_groups`` carry the lr the schedule sets). The model must already be patched
-        and checkpoint-wrapped (`ligertune.models.prepare_for_training`)."""
+        and checkpoint-wrapped (`ligertune.training.transforms`)."""
         model = model.to(self.device)
         return model, make_optimizer(model, self.param_device)
 
@@ -156,7 +151,7 @@ class Runtime:
 
     def save_state(self, directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Write the model and optimizer state into a checkpoint directory, in
-        `checkpoint_format` (`ligertune.checkpoint` owns the rest). *Collective.*"""
+        `checkpoint_format` (`ligertune.run.checkpoint` owns the rest). *Collective.*"""
         state = trainable_state(self.unwrap(model), self.full_model_state_dict(model))
         if self.is_main:
             write_full_state(directory, state, optimizer.state_dict())

@@ -30,6 +30,14 @@ from ligertune.kernels import cross_entropy as ce_kernel
 from ligertune.kernels import fused_linear_cross_entropy as flce_kernel
 from ligertune.patching.common import MARK, Patcher, is_marked, partial_forward, set_forward
 
+# The keyword of the patched causal LM's forward that swaps the fused cross entropy for another
+# function of the lm_head's hidden states, ``loss_fn(hidden [N, H], weight [V, H], target [N], bias,
+# *, ignore_index, num_items_in_batch, softcap)``, computed inside the lm_head's call (so sharded
+# strategies have its weight gathered) in training and eval mode alike; whatever it returns is the
+# output's ``loss``. The preference and distillation objectives (`ligertune.objectives`) use it to
+# get per-sequence log-probs or a teacher divergence without the [tokens × vocab] logits.
+LM_HEAD_LOSS_FN = "lm_head_loss_fn"
+
 
 def shift_targets(labels: torch.Tensor, ignore_index: int, shift_labels: torch.Tensor | None) -> torch.Tensor:
     """Flat next-token targets, as HF's ForCausalLMLoss builds them: position t predicts labels[t+1];
@@ -55,14 +63,15 @@ def _kernel_causal_lm_loss(
     )
 
 
-def _fused_lm_head_forward(self, hidden_states, target=None, **loss_options):
+def _fused_lm_head_forward(self, hidden_states, target=None, loss_fn=None, **loss_options):
     """The lm_head's forward: ``F.linear`` as usual, or, given ``target``, the fused linear cross
     entropy over this module's weight. Running the loss *inside the lm_head's call* means the
     module's forward hooks run around it: FSDP2 and ZeRO-3 gather the full weight first and
-    release it after, exactly as for the logits."""
+    release it after, exactly as for the logits. ``loss_fn`` replaces the cross entropy with
+    another function of the same signature (`LM_HEAD_LOSS_FN`)."""
     if target is None:
         return nn.functional.linear(hidden_states, self.weight, self.bias)
-    return flce_kernel.fused_linear_cross_entropy(
+    return (loss_fn or flce_kernel.fused_linear_cross_entropy)(
         hidden_states.reshape(-1, hidden_states.shape[-1]), self.weight, target, self.bias, **loss_options
     )
 
@@ -79,7 +88,7 @@ def _lm_head_is_fused(lm_head: nn.Module) -> bool:
 # a ``modules_to_save`` wrapper has ``original_module`` and ``modules_to_save``.
 
 
-def _lora_head_loss(head: nn.Module, adapter: str, hidden_states, target=None, **loss_options):
+def _lora_head_loss(head: nn.Module, adapter: str, hidden_states, target=None, loss_fn=None, **loss_options):
     """The fused linear cross entropy of a LoRA-adapted lm_head, exactly, dropout included.
 
     The adapted logits are ``h·Wᵀ + s·(drop(h)·Aᵀ)·Bᵀ`` (A: r × H, B: V × r, s = alpha/r). That
@@ -101,7 +110,9 @@ def _lora_head_loss(head: nn.Module, adapter: str, hidden_states, target=None, *
     low = a(head.lora_dropout[adapter](flat).to(a.weight.dtype)) * head.scaling[adapter]
     widened = torch.cat([flat, low.to(flat.dtype)], dim=-1)
     weight = torch.cat([base.weight, b.weight.to(base.weight.dtype)], dim=1)
-    return flce_kernel.fused_linear_cross_entropy(widened, weight, target, base.bias, **loss_options)
+    return (loss_fn or flce_kernel.fused_linear_cross_entropy)(
+        widened, weight, target, base.bias, **loss_options
+    )
 
 
 def fused_head(head: nn.Module):
@@ -169,7 +180,11 @@ def _fused_causal_lm_forward(
     the kernel cannot compute) runs HF's own forward unchanged.
     """
     hf_forward = type(self).forward
-    head_loss = fused_head(self.lm_head)[0] if labels is not None and self.training else None
+    loss_fn = kwargs.pop(LM_HEAD_LOSS_FN, None)
+    fuse = labels is not None and (self.training or loss_fn is not None)
+    head_loss = fused_head(self.lm_head)[0] if fuse else None
+    if head_loss is None and loss_fn is not None:
+        raise ValueError(f"{LM_HEAD_LOSS_FN} needs labels and an lm_head the fused kernel computes")
     if head_loss is None:
         return hf_forward(
             self,
@@ -203,6 +218,7 @@ def _fused_causal_lm_forward(
         ignore_index=ignore_index,
         num_items_in_batch=kwargs.get("num_items_in_batch"),
         softcap=getattr(self.config, _softcap_attr) if _softcap_attr else None,
+        **({"loss_fn": loss_fn} if loss_fn is not None else {}),
     )
     output = CausalLMOutputWithPast(
         loss=loss,

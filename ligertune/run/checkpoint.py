@@ -61,16 +61,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import os
-import pickle
 import random
 import re
 import shutil
-import zipfile
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -80,10 +76,16 @@ import numpy as np
 import torch
 
 from ligertune.errors import TrainingError
+from ligertune.run.manifest import (
+    COMPLETE,
+    STATE_FILE,
+    DamagedCheckpoint,
+    load_file,
+    read_state,
+    require_complete,
+    write_manifest,
+)
 
-COMPLETE = "COMPLETE"
-MANIFEST = "manifest.json"
-STATE_FILE = "state.json"
 MODEL_FILE = "model.pt"
 OPTIMIZER_FILE = "optimizer.pt"
 TRAINER_FILE = "trainer.pt"
@@ -93,7 +95,6 @@ _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
 # Below this much free space, a failed torch.save is a full disk: a write that ran out of space
 # has used up what was left (a block or so), while any other failure leaves the disk as it was.
 _NEARLY_FULL = 64 * 2**20
-_READ_CHUNK = 16 * 2**20
 
 
 def _fsync(path: Path) -> None:
@@ -181,146 +182,6 @@ def _rng_file(rank: int) -> str:
 
 
 # --------------------------------------------------------------------------------------------
-# Manifest and verification
-# --------------------------------------------------------------------------------------------
-
-
-class DamagedCheckpoint(ValueError):
-    """A checkpoint that carries its ``COMPLETE`` marker but whose files are not those that
-    were saved (or cannot be read); the message names the directory, the file and the fault."""
-
-    def __init__(self, path: Path, problem: str):
-        self.path, self.problem = path, problem
-        super().__init__(f"checkpoint {path} is damaged: {problem}")
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_READ_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _parallel(function: Callable[[Path], Any], paths: list[Path]) -> list[Any]:
-    # hashlib and file reads release the GIL: the files of a checkpoint are read side by side.
-    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths)))) as pool:
-        return list(pool.map(function, paths))
-
-
-def _recorded_files(directory: Path) -> list[Path]:
-    """Every file of a checkpoint directory but the manifest and the marker, sorted."""
-    return sorted(
-        p
-        for p in directory.rglob("*")
-        if p.is_file() and p.relative_to(directory).as_posix() not in (MANIFEST, COMPLETE)
-    )
-
-
-def write_manifest(directory: Path) -> None:
-    """Record the size and sha256 of every file in `directory` (see the module docstring)."""
-    files = _recorded_files(directory)
-    digests = _parallel(_sha256, files)
-    record = {
-        "algorithm": "sha256",
-        "files": {
-            path.relative_to(directory).as_posix(): {"size": path.stat().st_size, "sha256": digest}
-            for path, digest in zip(files, digests, strict=True)
-        },
-    }
-    (directory / MANIFEST).write_text(json.dumps(record, indent=1) + "\n")
-
-
-def _require_complete(path: Path) -> None:
-    if not path.is_dir():
-        raise ValueError(f"checkpoint {path} does not exist or is not a directory")
-    if not (path / COMPLETE).is_file():
-        raise ValueError(
-            f"checkpoint {path} is incomplete (no {COMPLETE} marker: its save was interrupted); "
-            "resume from an older one or use checkpoint.resume=auto"
-        )
-
-
-def _read_state(path: Path) -> dict[str, Any]:
-    try:
-        state = json.loads((path / STATE_FILE).read_text())
-    except FileNotFoundError:
-        raise DamagedCheckpoint(path, f"{STATE_FILE} is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DamagedCheckpoint(path, f"{STATE_FILE} cannot be read: {e}") from None
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
-        raise DamagedCheckpoint(path, f"{STATE_FILE} does not record a step")
-    return state
-
-
-def verify_checkpoint(path: Path) -> None:
-    """Check that checkpoint `path` is complete and its files are those that were saved.
-    Raises ValueError (DamagedCheckpoint for a complete but damaged one) naming what is wrong.
-    Reads every file once: as long as a resume's own load."""
-    _require_complete(path)
-    try:
-        files = json.loads((path / MANIFEST).read_text())["files"]
-        recorded = {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()}
-    except FileNotFoundError:
-        return _verify_without_manifest(path)
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise DamagedCheckpoint(path, f"{MANIFEST} cannot be read: {e!r}") from None
-    for name, (saved_size, _) in recorded.items():  # sizes first: every truncation, at no cost
-        file = path / name
-        if not file.is_file():
-            raise DamagedCheckpoint(path, f"{name} is missing")
-        size = file.stat().st_size
-        if size != saved_size:
-            hint = " (truncated)" if size < saved_size else ""
-            raise DamagedCheckpoint(path, f"{name} has {size} bytes, {saved_size} were saved{hint}")
-    names = sorted(recorded)
-    try:
-        digests = _parallel(_sha256, [path / name for name in names])
-    except OSError as e:
-        raise DamagedCheckpoint(
-            path, f"{Path(e.filename or '?').name} cannot be read: {e.strerror}"
-        ) from None
-    for name, digest in zip(names, digests, strict=True):
-        if digest != recorded[name][1]:
-            raise DamagedCheckpoint(path, f"{name} does not match the sha256 recorded when it was saved")
-    _read_state(path)
-    return None
-
-
-def _verify_without_manifest(path: Path) -> None:
-    """A checkpoint saved before manifests existed: the state parses, every file reads to its
-    end, every ``.pt`` file is a whole zip archive whose records match their CRC32s."""
-    _read_state(path)
-    for file in _recorded_files(path):
-        name = file.relative_to(path).as_posix()
-        try:
-            if file.suffix == ".pt":
-                with zipfile.ZipFile(file) as archive:
-                    bad = archive.testzip()
-                if bad is not None:
-                    raise DamagedCheckpoint(path, f"{name}: its record {bad} fails its CRC check")
-            else:
-                with file.open("rb") as f:
-                    while f.read(_READ_CHUNK):
-                        pass
-        except zipfile.BadZipFile as e:
-            raise DamagedCheckpoint(path, f"{name} is not a whole torch file ({e}; truncated?)") from None
-        except OSError as e:
-            raise DamagedCheckpoint(path, f"{name} cannot be read: {e.strerror or e}") from None
-
-
-def _torch_load(path: Path) -> Any:
-    """`torch.load` of one checkpoint file; a file torch cannot read is a DamagedCheckpoint."""
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise DamagedCheckpoint(path.parent, f"{path.name} is missing") from None
-    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as e:
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DamagedCheckpoint(path.parent, f"{path.name} cannot be loaded: {first_line}") from None
-
-
-# --------------------------------------------------------------------------------------------
 # Save, find, load
 # --------------------------------------------------------------------------------------------
 
@@ -397,11 +258,11 @@ class Checkpoint:
 
     @cached_property
     def model(self) -> dict[str, torch.Tensor]:
-        return _torch_load(self._full_file(MODEL_FILE))
+        return load_file(self._full_file(MODEL_FILE))
 
     @cached_property
     def optimizer(self) -> dict[str, Any]:
-        return _torch_load(self._full_file(OPTIMIZER_FILE))
+        return load_file(self._full_file(OPTIMIZER_FILE))
 
     def _full_file(self, name: str) -> Path:
         if self.format != FULL_FORMAT:
@@ -526,7 +387,7 @@ def load_checkpoint(path: Path, rank: int = 0) -> Checkpoint:
     """Read a complete checkpoint's run state as rank `rank` sees it (tensors on the CPU).
     Raises ValueError naming what is wrong (DamagedCheckpoint for a file that cannot be read).
     It checks no digests: `verify_checkpoint` does, before a resume."""
-    _require_complete(path)
+    require_complete(path)
     rng_path = path / _rng_file(rank)
     try:
         recipe_yaml = (path / "recipe.yaml").read_text()
@@ -534,8 +395,8 @@ def load_checkpoint(path: Path, rank: int = 0) -> Checkpoint:
         raise DamagedCheckpoint(path, f"recipe.yaml cannot be read: {e}") from None
     return Checkpoint(
         path=path,
-        scheduler=_torch_load(path / TRAINER_FILE)["scheduler"],
-        rng=_torch_load(rng_path) if rng_path.is_file() else None,
-        state=_read_state(path),
+        scheduler=load_file(path / TRAINER_FILE)["scheduler"],
+        rng=load_file(rng_path) if rng_path.is_file() else None,
+        state=read_state(path),
         recipe_yaml=recipe_yaml,
     )

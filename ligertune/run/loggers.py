@@ -63,7 +63,10 @@ def make_console(stderr: bool = False, **kwargs: Any) -> Console:
     """A rich Console that does not cut or wrap at 80 columns when its output is not a terminal."""
     stream = sys.stderr if stderr else sys.stdout
     is_tty = hasattr(stream, "isatty") and stream.isatty()
-    width = None if is_tty or os.environ.get("COLUMNS") else WIDE
+    columns = os.environ.get("COLUMNS", "")
+    # Read here rather than left to rich, whose own look-up goes through a copy of the
+    # environment mapping taken when rich was imported.
+    width = None if is_tty else int(columns) if columns.isdigit() else WIDE
     return Console(stderr=stderr, width=width, **kwargs)
 
 
@@ -126,11 +129,27 @@ def console_handler() -> ConsoleHandler | None:
     return handlers[0] if handlers else None
 
 
+class _TrainLog(logging.FileHandler):
+    """train.log's handler. A full disk must not add a logging traceback to the run's one clear
+    line about it (`ligertune.run.metrics` and the checkpoint save say "no space left on ..."):
+    a record or the final flush that cannot be written is dropped."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handleError(record)
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:
+            pass
+
+
 def open_train_log(run_dir: Path) -> logging.FileHandler:
     """Start appending the ``ligertune`` logger's records to ``run_dir/train.log`` (appended across
     resumes), first the records buffered since the process started. Returns the handler, for
     `close_train_log`."""
-    handler = logging.FileHandler(run_dir / "train.log", mode="a", encoding="utf-8")
+    handler = _TrainLog(run_dir / "train.log", mode="a", encoding="utf-8")
     handler.setLevel(logging.DEBUG)
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     for buffer in _ours(_StartupBuffer):

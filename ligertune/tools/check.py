@@ -167,7 +167,7 @@ CHECK_MAX_PARAMS = {"cpu": 300_000_000, "cuda": 3_000_000_000}
 def check_recipe(recipe: Recipe, device: torch.device | str | None = None) -> ParityResult:
     """`parity_check` on the recipe's own model (``ligertune validate --check``).
 
-    The model comes from `ligertune.models.build_model`, so ``model.config_overrides`` apply:
+    The model comes from `ligertune.models.build.build_model`, so ``model.config_overrides`` apply:
     that is how a big architecture is shrunk for the check (``num_hidden_layers=2``, ...). The
     batch is two random rows of ``min(data.max_seq_len, 128)`` tokens (32 on CPU) whose first
     quarter is masked with -100 like a prompt; the dtype is the precision's parameter dtype.

@@ -53,13 +53,8 @@ from pydantic import ValidationError
 from ligertune.config import Recipe
 from ligertune.distributed import Runtime
 from ligertune.errors import RecipeError
-from ligertune.run.checkpoint import (
-    CheckpointManager,
-    DamagedCheckpoint,
-    load_checkpoint,
-    restore_rng_state,
-    verify_checkpoint,
-)
+from ligertune.run.checkpoint import CheckpointManager, load_checkpoint, restore_rng_state
+from ligertune.run.manifest import DamagedCheckpoint, verify_checkpoint
 from ligertune.training.optim import apply_hyperparameters
 
 

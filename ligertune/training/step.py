@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -46,6 +46,9 @@ class StepOutcome:
     items: torch.Tensor  # 0-d, N: the objective's items in the window over all ranks
     label_tokens: torch.Tensor  # 0-d, tokens with a label (the loss's targets), over all ranks
     tokens: torch.Tensor  # 0-d, input tokens in the window over all ranks
+    # The objective's metrics (rewards, KL, ...): Σ over the window's items / N over all ranks, i.e.
+    # the window's means. The objective returns the same keys for every micro-batch.
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def forward_backward(
@@ -66,19 +69,30 @@ def forward_backward(
     # A window without a single item contributes zero loss and zero gradient.
     num_items = n.clamp(min=1)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    metric_sums: dict[str, torch.Tensor] = {}
     for i, batch in enumerate(micro_batches):
         with runtime.accumulation_context(model, sync=i == len(micro_batches) - 1), autocast():
             out = objective(model, to_device(batch, device), num_items)
             runtime.backward(out.loss)
         loss_sum += out.loss.detach().double()
+        for name, value in out.metrics.items():
+            metric_sums[name] = metric_sums.get(name, 0) + value.detach().double()
     local_counts = [
         sum(count_label_tokens(b["labels"]) for b in micro_batches),
         sum(count_input_tokens(b) for b in micro_batches),
     ]
+    names = sorted(metric_sums)
     totals = runtime.all_reduce_sum(
-        torch.cat([loss_sum[None], torch.tensor(local_counts, device=device, dtype=torch.float64)])
+        torch.cat(
+            [
+                loss_sum[None],
+                torch.tensor(local_counts, device=device, dtype=torch.float64),
+                *(metric_sums[k].reshape(1) for k in names),
+            ]
+        )
     )
-    return StepOutcome(loss=totals[0], items=n, label_tokens=totals[1], tokens=totals[2])
+    metrics = {k: totals[3 + i] for i, k in enumerate(names)}
+    return StepOutcome(loss=totals[0], items=n, label_tokens=totals[1], tokens=totals[2], metrics=metrics)
 
 
 @torch.no_grad()

@@ -49,35 +49,26 @@ import math
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from ligertune.config import Recipe, machine_problems, recipe_to_yaml
-from ligertune.data import MicroBatchLoader, build_datasets, load_tokenizer
 from ligertune.distributed import Runtime, create_runtime
-from ligertune.errors import RecipeError, TrainingError
-from ligertune.models.build import build_model, check_vocab
-from ligertune.objectives import build_objective
-from ligertune.run.checkpoint import CheckpointManager
+from ligertune.errors import OutOfMemoryError, RecipeError, TrainingError
 from ligertune.run.lock import RunLock
 from ligertune.run.metrics import (
     MetricsLogger,
     RunSummary,
-    Throughput,
-    flops_per_token,
-    peak_bf16_flops,
     peak_memory_gib,
 )
 from ligertune.training.export import export_hf, push_export
-from ligertune.training.optim import autocast_for, build_optimizer, build_scheduler
-from ligertune.training.resume import data_order, resume, resume_path
+from ligertune.training.memory.auto import memory_budget, oom_suggestion, resolve_auto
+from ligertune.training.setup import TrainerSetup
 from ligertune.training.signals import StopSignal
 from ligertune.training.step import evaluate, forward_backward, micro_batch_stream
-from ligertune.training.transforms import apply_transforms
 
 
 @dataclass
@@ -94,6 +85,7 @@ class StepRecord:
     tokens: int
     seconds: float
     skipped: bool
+    metrics: dict[str, float] = field(default_factory=dict)  # the objective's (rewards, KL, ...)
 
 
 @dataclass
@@ -108,7 +100,7 @@ class TrainResult:
     model: nn.Module
 
 
-class Trainer:
+class Trainer(TrainerSetup):
     """One run of a recipe. `setup` builds everything and may raise RecipeError/DataError;
     `train` runs the loop and may raise TrainingError; `cleanup` always runs after them."""
 
@@ -128,6 +120,10 @@ class Trainer:
             raise RecipeError(problems)
         self.runtime = create_runtime(recipe)
         self.log = logging.getLogger("ligertune").info if self.runtime.is_main else self.log
+        # auto checkpointing / micro-batch size, planned against this GPU (ligertune.training.memory)
+        resolved = resolve_auto(recipe, self.runtime.world_size, self.runtime.device)
+        self.recipe = recipe = resolved.recipe
+        self.training, self.auto_message = recipe.training, resolved.message
         # Before anything is written: a second run on this output_dir stops here (ligertune.run.lock).
         self.lock = RunLock.acquire(recipe.run_dir) if self.runtime.is_main else None
         self.device = self.runtime.device
@@ -136,139 +132,6 @@ class Trainer:
         self._setup_model()
         self._setup_resume()
         self._setup_metrics()
-
-    def _setup_data(self) -> None:
-        """Tokenizer, datasets, and the train and validation loaders of this rank."""
-        recipe, runtime = self.recipe, self.runtime
-        self.tokenizer = load_tokenizer(recipe)
-        self.datasets = build_datasets(
-            recipe,
-            self.tokenizer,
-            is_main=runtime.is_main,
-            barrier=runtime.barrier,
-            log=self.log,
-        )
-        loader_args = dict(
-            seed=recipe.seed,
-            pad_token_id=self.tokenizer.pad_token_id,
-            packing=recipe.data.packing,
-            rank=runtime.rank,
-            world_size=runtime.world_size,
-        )
-        micro_batch_size = self.training.micro_batch_size
-        self.loader = MicroBatchLoader(
-            self.datasets.train, micro_batch_size, shuffle=recipe.data.shuffle, **loader_args
-        )
-        self.eval_loader = None
-        if self.datasets.validation is not None:
-            # A validation split smaller than a micro-batch per rank is still evaluated, in
-            # smaller batches. The loader leaves out rows that do not fill a last batch on every
-            # rank (fewer than batch × world size rows).
-            eval_batch = min(micro_batch_size, len(self.datasets.validation) // runtime.world_size)
-            if eval_batch > 0:
-                self.eval_loader = MicroBatchLoader(
-                    self.datasets.validation, eval_batch, shuffle=False, **loader_args
-                )
-        self.total_steps = self.training.max_steps or math.ceil(
-            self.training.epochs * self.loader.batches_per_epoch / self.training.gradient_accumulation_steps
-        )
-
-    def _setup_model(self) -> None:
-        recipe, training, runtime = self.recipe, self.training, self.runtime
-        # Whole on this device, or empty (meta) when the strategy shards it first (sharded init).
-        started = time.perf_counter()
-        model = runtime.build_model(recipe)
-        check_vocab(model, self.tokenizer)
-        # Counted before wrapping: sharded strategies (ZeRO-3) leave empty parameters behind, and a
-        # model built inside zero.Init has them from the start: count on its empty twin then.
-        counted = model
-        if any(p.numel() == 0 for p in model.parameters()):
-            counted = build_model(recipe, runtime.device, empty=True)
-        self.model_flops = flops_per_token(counted, recipe.data.max_seq_len)
-        self.parameters, self.model_class = sum(p.numel() for p in counted.parameters()), type(model).__name__
-        self.log(
-            f"built {self.model_class} ({_count(self.parameters)} parameters) in {time.perf_counter() - started:.1f} s"
-        )
-        self.hf_model, self.transform_reports = apply_transforms(model, recipe)
-        started = time.perf_counter()
-        self.model, self.optimizer = runtime.wrap(
-            self.hf_model, lambda module, where: build_optimizer(module, training, where)
-        )
-        self.log(
-            f"{'' if runtime.strategy == 'none' else f'wrapped the model for {runtime.strategy}, '}"
-            f"built the optimizer in {time.perf_counter() - started:.1f} s"
-        )
-        self.scheduler = build_scheduler(self.optimizer, training, self.total_steps)
-        self.autocast = partial(autocast_for, training.precision, self.device)
-        self.objective = build_objective("sft")
-
-    def _setup_resume(self) -> None:
-        recipe, runtime = self.recipe, self.runtime
-        self.checkpoints = CheckpointManager(recipe.run_dir / "checkpoints", recipe.checkpoint.keep_last)
-        self.order = data_order(recipe, runtime.world_size)
-        self.step, self.epoch, self.batch_index = 0, 0, 0
-        self.skipped = 0  # steps skipped in the run (on_nonfinite=skip), carried over by a resume
-        self.resume_from, passed_over = resume_path(recipe, self.checkpoints)  # damaged ones passed over
-        self.resumed_message = None
-        if self.resume_from is not None:
-            resumed = resume(
-                self.resume_from,
-                runtime,
-                self.model,
-                self.optimizer,
-                self.scheduler,
-                recipe,
-                self.total_steps,
-            )
-            self.step, self.epoch, self.batch_index = resumed.step, resumed.epoch, resumed.batch_index
-            self.skipped = resumed.skipped_steps
-            self.resumed_message = "\n".join([*passed_over, resumed.message])
-        self.last_saved = self.resume_from if self.step > 0 else None
-
-    def _setup_metrics(self) -> None:
-        recipe, training, runtime = self.recipe, self.training, self.runtime
-        if runtime.is_main:
-            self.metrics = MetricsLogger(
-                recipe.run_dir,
-                self.total_steps,
-                self.step,
-                progress=recipe.logging.progress,
-                loggers=recipe.logging.selected_loggers(),
-                options=recipe.logging.model_dump(),
-                config=recipe.model_dump(mode="json"),
-            )
-            self.log = self.metrics.info
-            self.log(self.datasets.report())
-            self.log(
-                f"model {self.model_class}, {self.parameters / 1e6:.1f}M parameters, {training.precision} on "
-                f"{self.device} ({runtime.strategy}, {runtime.world_size} process(es)); {self.total_steps} steps of "
-                f"{training.micro_batch_size} × {training.gradient_accumulation_steps} × {runtime.world_size} "
-                f"sequences of ≤ {recipe.data.max_seq_len} tokens"
-            )
-            for message in (*self.transform_reports.values(), runtime.notice, self.resumed_message):
-                if message:
-                    self.log(str(message))
-            self.metrics.write(self._start_record())
-        self.throughput = Throughput(
-            recipe.logging.throughput_warmup_steps,
-            runtime.world_size,
-            self.model_flops,
-            peak_bf16_flops(self.device),
-        )
-
-    def _start_record(self) -> dict:
-        patch_report = self.transform_reports.get("kernels")
-        return {
-            "event": "start",
-            "step": self.step,
-            "total_steps": self.total_steps,
-            "world_size": self.runtime.world_size,
-            "strategy": self.runtime.strategy,
-            "device": str(self.device),
-            "parameters": self.parameters,
-            "flops_per_token": self.model_flops,
-            "kernels_patched": {k: n for k, n in patch_report.patched.items() if n} if patch_report else {},
-        }
 
     # -- train -------------------------------------------------------------------------------
 
@@ -279,6 +142,7 @@ class Trainer:
             self.loader, self.epoch, self.batch_index, None if training.max_steps else training.epochs
         )
         self.window_losses: list[float] = []
+        self.window_metrics: dict[str, list[float]] = {}
         self.consecutive_skipped = 0
         self.last_loss = self.eval_loss = None
         stop_signal = None
@@ -310,22 +174,26 @@ class Trainer:
             return None
         self.epoch, self.batch_index = window[-1][1]
         lr = self.optimizer.param_groups[0]["lr"]
-        outcome = forward_backward(
-            self.model, self.objective, [b for b, _ in window], self.runtime, self.autocast
-        )
-        grad_norm = self.runtime.clip_grad_norm(self.model, self.training.max_grad_norm)
-        # The step's one host synchronisation: the finiteness check needs the values.
-        loss, norm, items, label_tokens, tokens = torch.stack(
-            [
-                outcome.loss,
-                grad_norm.double(),
-                *(x.double() for x in (outcome.items, outcome.label_tokens)),
-                outcome.tokens,
-            ]
-        ).tolist()
-        finite = math.isfinite(loss) and math.isfinite(norm)
-        if finite:
-            self.runtime.optimizer_step(self.optimizer)
+        try:
+            outcome = forward_backward(
+                self.model, self.objective, [b for b, _ in window], self.runtime, self.autocast
+            )
+            grad_norm = self.runtime.clip_grad_norm(self.model, self.training.max_grad_norm)
+            # The step's one host synchronisation: the finiteness check needs the values.
+            loss, norm, items, label_tokens, tokens, *metric_values = torch.stack(
+                [
+                    outcome.loss,
+                    grad_norm.double(),
+                    *(x.double() for x in (outcome.items, outcome.label_tokens)),
+                    outcome.tokens,
+                    *outcome.metrics.values(),
+                ]
+            ).tolist()
+            finite = math.isfinite(loss) and math.isfinite(norm)
+            if finite:
+                self.runtime.optimizer_step(self.optimizer)
+        except torch.OutOfMemoryError:
+            self._out_of_memory()
         self.optimizer.zero_grad(set_to_none=True)
         if not finite:
             self._nonfinite(loss, norm, position_before)
@@ -349,7 +217,29 @@ class Trainer:
             int(tokens),
             seconds,
             not finite,
+            metrics=dict(zip(outcome.metrics, metric_values, strict=True)),
         )
+
+    def _out_of_memory(self) -> None:
+        """A CUDA out-of-memory in the step: TrainingError with the peak and the plan's suggestion.
+        Nothing is saved (the step's state is half done); the last checkpoint stays as it was."""
+        self.optimizer.zero_grad(set_to_none=True)
+        allocated, _ = peak_memory_gib(self.device)
+        budget = memory_budget(self.recipe, self.device) or 0
+        try:
+            suggestion = oom_suggestion(self.recipe, self.runtime.world_size, budget)
+        except Exception as e:  # the message must still come out
+            suggestion = f"(no suggestion: {type(e).__name__}: {e})"
+        kept = (
+            f"the last checkpoint, {self.last_saved}, is kept"
+            if self.last_saved
+            else "no checkpoint was saved yet"
+        )
+        of = f" of {budget / 2**30:.1f}" if budget else ""
+        raise OutOfMemoryError(
+            f"out of memory at step {self.step + 1} (peak {allocated or 0:.1f} GiB{of}): "
+            f"ligertune plan suggests: {suggestion}; {kept}"
+        ) from None
 
     def _nonfinite(self, loss: float, norm: float, position_before: tuple[int, int]) -> None:
         """A step whose loss or gradient norm is NaN/inf: stop with the last good state saved, or
@@ -392,6 +282,9 @@ class Trainer:
     def _after_step(self, record: StepRecord) -> None:
         """Metrics, periodic evaluation and periodic checkpoint after step `record.step`."""
         step = record.step
+        if not record.skipped:
+            for name, value in record.metrics.items():
+                self.window_metrics.setdefault(name, []).append(value)
         if self.metrics is not None:
             self.metrics.step_done(step, None if record.skipped else record.loss)
             if step % self.recipe.logging.log_every == 0 or step == self.total_steps:
@@ -410,9 +303,18 @@ class Trainer:
                         "peak_mem_allocated_gib": allocated,
                         "peak_mem_reserved_gib": reserved,
                         "skipped_steps": self.skipped,
+                        # The objective's metrics (rewards, margins, KL ...), means over the window.
+                        **{k: sum(v) / len(v) for k, v in self.window_metrics.items()},
                     }
                 )
+                if self.window_metrics:
+                    self.log(
+                        f"step {step} {self.objective.name} | "
+                        + " | ".join(f"{k} {sum(v) / len(v):.4f}" for k, v in self.window_metrics.items())
+                    )
                 self.window_losses = []
+        if step % self.recipe.logging.log_every == 0 or step == self.total_steps:
+            self.window_metrics = {}
         eval_every = self.training.eval_every
         if self.eval_loader is not None and eval_every and step % eval_every == 0:
             self.eval_loss = self._evaluate()
@@ -526,14 +428,6 @@ class Trainer:
             self.runtime.shutdown()
         if self.lock is not None:
             self.lock.release()
-
-
-def _count(n: int) -> str:
-    """A parameter count as people say it: 1.24B, 350.0M, 4.1k."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= scale:
-            return f"{n / scale:.{2 if suffix == 'B' else 1}f}{suffix}"
-    return str(n)
 
 
 def train(recipe: Recipe, *, on_step_end: Callable[[StepRecord], bool | None] | None = None) -> TrainResult:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ligertune.config import Recipe
+from ligertune.config.environment_rules import runs_on_cuda
 from ligertune.config.schema import BUILTIN_PLUGINS
 from ligertune.errors import RecipeError
 from ligertune.lora import apply_lora
@@ -33,6 +34,7 @@ from ligertune.models.attention import choose_attention, install_document_mask
 from ligertune.models.build import decoder_layers
 from ligertune.patching.apply import patch_model
 from ligertune.patching.report import PatchReport
+from ligertune.training.memory.offload import install_offload
 
 
 @dataclass(frozen=True)
@@ -47,9 +49,9 @@ def _attention(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
     """Reports the backend `build_model` chose; for packed rows, installs the document mask
     (`ligertune.models.attention`), a forward pre-hook on the causal LM that every later
     transform and wrapper leaves in place."""
-    on_cuda = next(model.parameters()).device.type == "cuda"
-    implementation, why = choose_attention(recipe.model.attn_implementation, on_cuda, recipe.data.packing)
-    report = f"attention: {implementation} ({why})"
+    # The run's device, not the parameters' (a sharded init builds the model on the meta device).
+    _, why = choose_attention(recipe.model.attn_implementation, runs_on_cuda(recipe), recipe.data.packing)
+    report = f"attention: {model.config._attn_implementation} ({why})"
     if recipe.data.packing:
         report += f"; {install_document_mask(model)}"
     return model, report
@@ -131,17 +133,37 @@ def _fp8(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
     return model, report
 
 
-def _activation_checkpointing(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, None]:
-    if not model.supports_gradient_checkpointing:
-        raise RecipeError(
-            [
-                f"training.activation_checkpointing: {type(model).__name__} does not support it; set it to false"
-            ]
+def _activation_checkpointing(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str | None]:
+    """``training.activation_checkpointing`` full (every decoder layer) or selective (layers 0, k,
+    2k, ...: transformers' ``every_n_layers``), then ``training.activation_offload`` on the layers
+    left unchecked (`ligertune.training.memory.offload`). ``auto`` is resolved by the trainer's
+    setup (`ligertune.training.memory.auto`); met here unresolved, it reads as none."""
+    training = recipe.training
+    mode = training.activation_checkpointing
+    done = []
+    if mode in ("full", "selective"):
+        if not model.supports_gradient_checkpointing:
+            raise RecipeError(
+                [
+                    f"training.activation_checkpointing: {type(model).__name__} does not support it; set it to none"
+                ]
+            )
+        every = training.activation_checkpointing_every if mode == "selective" else 1
+        # Non-reentrant checkpointing works with inputs that need no grad, with kwargs and with
+        # torch.compile; the reentrant variant does not.
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every
         )
-    # Non-reentrant checkpointing works with inputs that need no grad, with kwargs and with
-    # torch.compile; the reentrant variant does not.
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model, None
+        layers = decoder_layers(model)
+        checkpointed = sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers)
+        done.append(f"activation checkpointing {mode}: {checkpointed} of {len(layers)} decoder layers")
+    if training.activation_offload:
+        if next(model.parameters()).device.type != "cuda":
+            done.append("activation offload: nothing to offload on CPU (no-op)")
+        else:
+            count = install_offload(decoder_layers(model))
+            done.append(f"activation offload to pinned CPU memory: {count} decoder layers")
+    return model, "; ".join(done) if done else None
 
 
 def _compile(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, None]:
@@ -160,7 +182,11 @@ TRANSFORMS: tuple[ModelTransform, ...] = (
     ModelTransform("lora", lambda r: r.lora is not None, _lora),
     ModelTransform("fp8", lambda r: r.training.fp8 != "none", _fp8),
     ModelTransform(
-        "activation_checkpointing", lambda r: r.training.activation_checkpointing, _activation_checkpointing
+        "activation_checkpointing",
+        lambda r: (
+            r.training.activation_checkpointing in ("full", "selective") or r.training.activation_offload
+        ),
+        _activation_checkpointing,
     ),
     ModelTransform("compile", lambda r: r.training.compile, _compile),
 )

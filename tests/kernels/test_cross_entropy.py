@@ -2,8 +2,9 @@
 
 The oracle for every option is built from ``torch.nn.functional.cross_entropy`` in float64:
 soft-capping is applied to the logits before it (autograd supplies the chain rule), the z-loss
-is added from ``torch.logsumexp``, and the mean's denominator is the one PyTorch documents. So
-neither the kernel nor ``cross_entropy_reference`` is checked against itself.
+is added from ``torch.logsumexp``, and the mean's denominator is the one PyTorch documents for the
+cross entropy, the non-ignored token count for the z-loss (``kernels/cross_entropy.py``,
+"Reductions"). So neither the kernel nor ``cross_entropy_reference`` is checked against itself.
 
 CPU shapes stay small (the Triton interpreter pays per program and per loop iteration); under
 the interpreter the kernel loops over blocks of 1024 columns, so vocabularies 1000, 3001 and 4093
@@ -26,7 +27,7 @@ from ligertune.kernels.cross_entropy import (
     cross_entropy_reference,
     launch_cross_entropy,
 )
-from tests.kernels.helpers import assert_close, fresh_randn, poison_
+from tests.kernels.helpers import assert_close, fresh_randn, poison_, rel_err
 
 IMPLS = {"triton": cross_entropy, "reference": cross_entropy_reference}
 
@@ -60,15 +61,15 @@ def oracle(
         z, target, weight=w, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing
     )
     valid = target != ignore_index
-    per_token = per_token + torch.where(valid, lse_square_scale * torch.logsumexp(z, -1) ** 2, 0.0)
+    z_loss = torch.where(valid, lse_square_scale * torch.logsumexp(z, -1) ** 2, 0.0)
     if reduction == "none":
-        return per_token
+        return per_token + z_loss
     if num_items_in_batch is not None:
-        return per_token.sum() / float(num_items_in_batch)
+        return (per_token.sum() + z_loss.sum()) / float(num_items_in_batch)
     if reduction == "sum":
-        return per_token.sum()
+        return per_token.sum() + z_loss.sum()
     denom = valid.sum() if w is None else w[target[valid]].sum()
-    return per_token.sum() / denom
+    return per_token.sum() / denom + z_loss.sum() / valid.sum()
 
 
 def _run(fn, logits, target, upstream=None, **kwargs):
@@ -203,10 +204,7 @@ def test_odd_vocab_all_options(dtype, unit_upstream, n_cols):
 
     valid = target != -100
     z64 = 5.0 * torch.tanh(logits.double() / 5.0)
-    w_sum = kw["weight"].double()[target[valid]].sum()
-    assert_close(
-        out.z_loss, (1e-3 * torch.logsumexp(z64[valid], -1) ** 2).sum() / w_sum, torch.float32, "z_loss"
-    )
+    assert_close(out.z_loss, (1e-3 * torch.logsumexp(z64[valid], -1) ** 2).mean(), torch.float32, "z_loss")
     expected_acc = (logits.argmax(-1)[valid] == target[valid]).double().mean()
     assert out.token_accuracy.item() == pytest.approx(expected_acc.item(), abs=1e-6)
 
@@ -267,7 +265,10 @@ def test_num_items_in_batch_makes_micro_batches_add_up(count_as, weighted):
     logits = fresh_randn(n_rows, n_cols, scale=2.0)
     target = _targets(n_rows, n_cols, n_ignored=5)
     weight = torch.rand(n_cols) + 0.5 if weighted else None
-    kw = dict(weight=weight, label_smoothing=0.1, lse_square_scale=1e-3)
+    # With class weights the big batch divides its cross entropy by Σ w_y and its z-loss by the
+    # token count: one count cannot reproduce both, so the weighted case has no z-loss (the
+    # semantics of a count with weights and a z-loss: test_z_loss_with_class_weights_*).
+    kw = dict(weight=weight, label_smoothing=0.1, lse_square_scale=0.0 if weighted else 1e-3)
     big, big_grad = _run(cross_entropy, logits, target, **kw)
 
     valid = target != -100
@@ -284,6 +285,108 @@ def test_num_items_in_batch_makes_micro_batches_add_up(count_as, weighted):
         oracle, logits[halves[0]].double(), target[halves[0]], num_items_in_batch=float(total), **kw
     )
     assert_close(parts[0][0], ref, torch.float32, "micro-batch loss vs oracle")
+
+
+def weighted_mean_written_out(logits, target, weight, label_smoothing, lse_square_scale, num_items=None):
+    """float64 class-weighted, label-smoothed mean cross entropy plus z-loss, each term written
+    out (no F.cross_entropy): the cross entropy divided by Σ w_y over non-ignored tokens, the
+    z-loss by their count T (``num_items`` replaces both)."""
+    x = logits.double()
+    w = weight.double()
+    valid = target != -100
+    lse = torch.logsumexp(x[valid], dim=-1)
+    logp = x[valid] - lse[:, None]  # float64: the rounding of lse is negligible here
+    y = target[valid]
+    nll = -logp[torch.arange(len(y)), y] * w[y]
+    smooth = -(logp * w).sum(-1)
+    ce = ((1 - label_smoothing) * nll + label_smoothing / x.shape[1] * smooth).sum()
+    z = lse_square_scale * (lse**2).sum()
+    if num_items is not None:
+        return (ce + z) / num_items, z / num_items
+    return ce / w[y].sum() + z / valid.sum(), z / valid.sum()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_z_loss_with_class_weights_divides_by_token_count(impl):
+    """reduction="mean" with class weights and a z-loss: cross entropy over Σ w_y (PyTorch's
+    weighted mean), z-loss over the token count (module docstring: why). Loss, gradient and the
+    reported z_loss against the written-out float64 formula; and the consequence the choice is
+    made for: multiplying every class weight by 10 changes nothing."""
+    n_rows, n_cols = 14, 1000
+    logits = fresh_randn(n_rows, n_cols, scale=3.0)
+    target = _targets(n_rows, n_cols, n_ignored=4)
+    weight = torch.rand(n_cols) + 0.25
+    kw = dict(label_smoothing=0.1, lse_square_scale=0.05)  # z-loss ≈ 20 % of the loss: visible
+    upstream = _upstream("mean", n_rows)
+
+    out, grad = _run(IMPLS[impl], logits, target, upstream.float(), weight=weight, return_z_loss=True, **kw)
+    x64 = logits.double().requires_grad_()
+    ref, ref_z = weighted_mean_written_out(x64, target, weight, **kw)
+    (ref * upstream).backward()
+    assert_close(out.loss, ref, torch.float32, "loss")
+    assert_close(out.z_loss, ref_z, torch.float32, "z_loss")
+    assert_close(grad, x64.grad, torch.float32, "grad")
+
+    scaled, scaled_grad = _run(
+        IMPLS[impl], logits, target, upstream.float(), weight=10.0 * weight, return_z_loss=True, **kw
+    )
+    assert_close(scaled.loss, ref, torch.float32, "loss with weights × 10")
+    assert_close(scaled_grad, x64.grad, torch.float32, "grad with weights × 10")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_z_loss_with_class_weights_and_num_items(impl):
+    """With num_items_in_batch the one given count divides both terms."""
+    n_rows, n_cols = 9, 1000
+    logits = fresh_randn(n_rows, n_cols, scale=3.0)
+    target = _targets(n_rows, n_cols, n_ignored=2)
+    weight = torch.rand(n_cols) + 0.25
+    kw = dict(label_smoothing=0.1, lse_square_scale=0.05)
+    out, grad = _run(
+        IMPLS[impl], logits, target, weight=weight, num_items_in_batch=23, return_z_loss=True, **kw
+    )
+    x64 = logits.double().requires_grad_()
+    ref, ref_z = weighted_mean_written_out(x64, target, weight, num_items=23, **kw)
+    ref.backward()
+    assert_close(out.loss, ref, torch.float32, "loss")
+    assert_close(out.z_loss, ref_z, torch.float32, "z_loss")
+    assert_close(grad, x64.grad, torch.float32, "grad")
+
+
+# Logits of magnitude ~300: spread (a few hundred apart, one class dominates) or offset (all
+# near 300, a flat softmax), each with and without label smoothing and class weights.
+LARGE_LOGITS = {
+    "spread": lambda n, v: fresh_randn(n, v, scale=100.0),
+    "offset": lambda n, v: 300.0 + fresh_randn(n, v, scale=3.0),
+}
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", LARGE_LOGITS)
+@pytest.mark.parametrize("smoothed", [False, True])
+def test_large_logits_keep_fp32_accuracy(impl, kind, smoothed):
+    """At |logits| ~ 300 the softmax must not inherit the rounding of lse (half an fp32 ulp of
+    300 is 1.5e-5): loss and gradient errors vs float64 are bounded by a small multiple of what
+    PyTorch's own fp32 cross entropy achieves on the same inputs (floored at one fp32 epsilon, as
+    PyTorch's error can be near zero when one class takes all the mass)."""
+    n_rows, n_cols = 16, 3001
+    logits = LARGE_LOGITS[kind](n_rows, n_cols)
+    target = _targets(n_rows, n_cols, n_ignored=2)
+    weight = torch.rand(n_cols) + 0.5 if smoothed else None
+    smoothing = 0.1 if smoothed else 0.0
+
+    def torch_ce(x, t, weight=None, **_):
+        w = None if weight is None else weight.to(x.dtype)
+        return F.cross_entropy(x, t, weight=w, label_smoothing=smoothing)
+
+    ref, ref_grad = _run(torch_ce, logits.double(), target, weight=weight)
+    torch_out, torch_grad = _run(torch_ce, logits, target, weight=weight)
+    out, grad = _run(IMPLS[impl], logits, target, weight=weight, label_smoothing=smoothing)
+    eps32 = torch.finfo(torch.float32).eps
+    for what, ours, theirs in (("loss", out, torch_out), ("grad", grad, torch_grad)):
+        bound = 4.0 * max(rel_err(theirs, ref if what == "loss" else ref_grad), eps32)
+        err = rel_err(ours, ref if what == "loss" else ref_grad)
+        assert err <= bound, f"{what}: relative error {err:.3g} > 4 × PyTorch fp32's ({bound / 4:.3g})"
 
 
 def test_backward_with_unit_upstream_gradient_is_the_forward_gradient():

@@ -24,7 +24,7 @@ from ligertune.kernels.fused_linear_cross_entropy import (
     fused_linear_cross_entropy_reference,
 )
 from tests.kernels.helpers import assert_close, fresh_randn, rel_err
-from tests.kernels.test_cross_entropy import _targets, _upstream, oracle
+from tests.kernels.test_cross_entropy import _targets, _upstream, oracle, weighted_mean_written_out
 
 # bf16 inputs: the logits are rounded to bf16 (as an lm_head in bf16 would), the in-place
 # gradient of the logits is rounded to bf16, and each matmul output once more. Each rounding is
@@ -91,6 +91,37 @@ def test_fp32_matches_oracle(reduction, with_bias, options):
         hidden, weight, target, bias, upstream, dict(memory_budget_bytes=8 * n_cols * 4), **kw
     )
     _check_fp32(out, grads, ref, ref_grads)
+
+
+def test_z_loss_with_class_weights_divides_by_token_count():
+    """The chunked path shares the normalisers of ``cross_entropy``: with class weights the cross
+    entropy is divided by Σ w_y and the z-loss by the token count (the written-out float64
+    formula of the cross-entropy tests on the float64 logits), over several chunks."""
+    n_rows, n_hidden, n_cols = 17, 32, 1000
+    hidden, weight, bias = _inputs(n_rows, n_hidden, n_cols)
+    target = _targets(n_rows, n_cols, n_ignored=4)
+    class_weight = 3.0 * torch.rand(n_cols) + 0.25
+    kw = dict(label_smoothing=0.1, lse_square_scale=0.05)
+    upstream = _upstream("mean", n_rows)
+    out, grads = _run(
+        fused_linear_cross_entropy,
+        hidden,
+        weight,
+        target,
+        bias,
+        upstream.float(),
+        class_weight=class_weight,
+        return_z_loss=True,
+        memory_budget_bytes=8 * n_cols * 4,
+        **kw,
+    )
+    leaves = [t.double().requires_grad_() for t in (hidden, weight, bias)]
+    ref, ref_z = weighted_mean_written_out(F.linear(*leaves), target, class_weight, **kw)
+    (ref * upstream).backward()
+    assert_close(out.loss, ref, torch.float32, "loss")
+    assert_close(out.z_loss, ref_z, torch.float32, "z_loss")
+    for name, g, leaf in zip(("hidden", "weight", "bias"), grads, leaves, strict=True):
+        assert_close(g, leaf.grad, torch.float32, f"grad {name}")
 
 
 def _double(t):

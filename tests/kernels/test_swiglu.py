@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from torch import nn
 from transformers import LlamaConfig, Phi3Config
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaMLP
@@ -131,6 +132,82 @@ def test_inplace_backward_spares_leaves(device):
     gate_before, up_before = gate.detach().clone(), up.detach().clone()
     swiglu(gate, up, inplace_backward=True).backward(fresh_randn(3, 500, device=device))
     assert torch.equal(gate.detach(), gate_before) and torch.equal(up.detach(), up_before)
+
+
+# Views of a leaf parameter (each a non-leaf whose ``_base`` is the leaf), as (gate, up) pairs.
+LEAF_VIEWS = {
+    "chunk": lambda p: p.chunk(2, dim=-1),
+    "slices": lambda p: (p[:, :250], p[:, 250:]),
+    "view_of_view": lambda p: p.view(2, 3, 500).unbind(0),
+    "transposed": lambda p: (p[:, :250].t(), p[:, 250:].t()),
+}
+
+
+@pytest.mark.parametrize("views", LEAF_VIEWS)
+@pytest.mark.parametrize("op_name", OPS)
+def test_inplace_backward_spares_views_of_a_leaf(op_name, views, device):
+    """gate/up split off a parameter (``p.chunk(2, -1)``) are non-leaf views of it: the backward
+    must not write their gradients into ``p``; ``p.grad`` is the float64 reference gradient."""
+    op, hf_act, _ = OPS[op_name]
+    p = nn.Parameter(fresh_randn(6, 500, device=device, scale=3.0))
+    before = p.detach().clone()
+    gate, up = LEAF_VIEWS[views](p)
+    out = op(gate, up, inplace_backward=True)
+    dout = fresh_randn(*out.shape, device=device)
+    out.backward(dout)
+
+    p64 = before.double().requires_grad_()
+    hf_gated(hf_act, *LEAF_VIEWS[views](p64)).backward(dout.double())
+    assert torch.equal(p.detach(), before), "the parameter was overwritten by the in-place backward"
+    assert_close(p.grad, p64.grad, torch.float32, "p.grad")
+
+
+# (gate, up) views of one [6, 602] intermediate, and whether they may take the in-place backward.
+INTERMEDIATE_SPLITS = {
+    "shifted_by_one": (lambda h: (h[:, :300], h[:, 1:301]), False),
+    "same_tensor": (lambda h: (h[:, :300], h[:, :300]), False),
+    "overlapping_row_blocks": (lambda h: (h[:3, :300], h[2:5, 1:301]), False),
+    "fused_halves": (lambda h: h.chunk(2, dim=-1), True),
+    "alternate_rows": (lambda h: (h[::2, :300], h[1::2, 1:301]), True),
+    "row_blocks": (lambda h: (h[:3, 2:302], h[3:, :300]), True),
+}
+
+
+@pytest.mark.parametrize("split", INTERMEDIATE_SPLITS)
+def test_inplace_backward_on_views_of_one_intermediate(split, device):
+    """Views of one intermediate that share elements cannot hold both gradients: the allocating
+    backward runs (gate keeps its values). Provably disjoint views (the halves of a fused
+    projection, alternate rows, separate row blocks) take the in-place backward. Gradients right
+    either way."""
+    fn, in_place = INTERMEDIATE_SPLITS[split]
+    x = fresh_randn(6, 602, device=device, requires_grad=True)
+    gate, up = fn(x * 3.0)
+    gate_before = gate.detach().clone()
+    out = swiglu(gate, up, inplace_backward=True)
+    dout = fresh_randn(*out.shape, device=device)
+    out.backward(dout)
+
+    x64 = x.detach().double().requires_grad_()
+    g64, u64 = fn(x64 * 3.0)
+    dgate64 = torch.autograd.grad(hf_gated("silu", g64, u64), g64, dout.double(), retain_graph=True)[0]
+    hf_gated("silu", g64, u64).backward(dout.double())
+    assert_close(x.grad, x64.grad, torch.float32, "dx")
+    if in_place:
+        assert_close(gate.detach(), dgate64, torch.float32, "dgate stored over gate")
+    else:
+        assert torch.equal(gate.detach(), gate_before), "overlapping views were overwritten"
+
+
+def test_inplace_backward_under_another_reader_fails_loudly(device):
+    """A graph node that saved gate/up's buffer and runs its backward after ours would read
+    gradients instead of activations: the in-place op bumps the version counter, so autograd
+    refuses instead of computing a silently wrong gradient."""
+    x = fresh_randn(4, 80, device=device, requires_grad=True)
+    h = x * 2.0
+    other = (h * x).sum()  # saves h; recorded before the swiglu, so its backward runs after
+    out = swiglu(*h.chunk(2, dim=-1), inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.sum() + other).backward()
 
 
 @pytest.mark.parametrize("op_name", OPS)

@@ -7,7 +7,7 @@ patched no module, such as LayerNorm in a Llama, gets no arm: it would only repe
 the report's notes name it), and with ``--also key=value`` (repeatable) one arm per item: the
 ``on`` arm plus that override, which shows what one more setting buys on top of the kernels
 (``training.compile=true``, ``model.attn_implementation=sdpa``). Every arm gets the same seed, hence
-the same random initial weights (`ligertune.models.build_model` seeds the init before
+the same random initial weights (`ligertune.models.build.build_model` seeds the init before
 patching) or the same loaded checkpoint, the same data order and the same number of steps, so
 the per-step losses of two arms differ only by what the kernels compute differently.
 

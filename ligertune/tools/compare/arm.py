@@ -21,6 +21,7 @@ import torch
 
 from ligertune.config import Recipe, load_recipe
 from ligertune.distributed.env import launched_as
+from ligertune.errors import OutOfMemoryError
 from ligertune.run.metrics import Throughput, peak_bf16_flops, peak_memory_gib
 from ligertune.tools.compare.runner import start_record, write_json
 from ligertune.tools.env import kernel_mode
@@ -104,7 +105,7 @@ def run_arm(spec_path: Path) -> int:
     except _ArmFinished:
         if any(not (math.isfinite(r.loss) and math.isfinite(r.grad_norm)) for r in log.records):
             status = "nonfinite"
-    except torch.OutOfMemoryError as e:
+    except (torch.OutOfMemoryError, OutOfMemoryError) as e:
         status, error = "oom", str(e).strip().splitlines()[0] if str(e).strip() else "out of memory"
     except Exception as e:  # reported, not raised: the parent reports every arm whatever happens
         traceback.print_exc()

@@ -170,7 +170,25 @@ def plot(report: dict[str, Any], path: Path) -> None:
     arms, names = report["arms"], [a["name"] for a in report["arms"]]
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     (ax_loss, ax_diff), (ax_speed, ax_mem) = axes
+    _plot_losses(ax_loss, arms)
+    _plot_differences(ax_diff, report)
+    _plot_speed_and_memory(ax_speed, ax_mem, report)
+    for ax in (ax_speed, ax_mem):
+        # Ablation arms carry kernel names, too long to sit side by side.
+        slanted = len(names) > 3
+        ax.set_xticks(
+            range(len(names)), names, rotation=20 if slanted else 0, ha="right" if slanted else "center"
+        )
+    for ax in (ax_loss, ax_diff):
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
+    fig.suptitle(_title(report))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_losses(ax_loss, arms: list[dict[str, Any]]) -> None:
     for i, arm in enumerate(arms):
         steps = [k + 1 for k, v in enumerate(arm["losses"]) if v is not None]
         # Arms at parity draw on top of each other: dashes let the baseline show through, and
@@ -188,6 +206,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax_loss.set(title="training loss per step", xlabel="step", ylabel="loss")
     ax_loss.legend()
 
+
+def _plot_differences(ax_diff, report: dict[str, Any]) -> None:
+    arms = report["arms"]
     base = arms[0]["losses"]
     by_name = {a["name"]: a for a in arms}
     for c in report["comparisons"]:
@@ -209,6 +230,9 @@ def plot(report: dict[str, Any], path: Path) -> None:
     )
     ax_diff.legend()
 
+
+def _plot_speed_and_memory(ax_speed, ax_mem, report: dict[str, Any]) -> None:
+    arms = report["arms"]
     speed_note = "" if report["speed_meaningful"] else "\n(CPU: not meaningful)"
     by_arm = {c["arm"]: c for c in report["comparisons"]}
     speedups = [by_arm[a["name"]]["speedup"] if a["name"] in by_arm else None for a in arms]
@@ -239,19 +263,6 @@ def plot(report: dict[str, Any], path: Path) -> None:
             ["host RSS"],
             "peak host memory, GiB (CPU run)",
         )
-    for ax in (ax_speed, ax_mem):
-        # Ablation arms carry kernel names, too long to sit side by side.
-        slanted = len(names) > 3
-        ax.set_xticks(
-            range(len(names)), names, rotation=20 if slanted else 0, ha="right" if slanted else "center"
-        )
-    for ax in (ax_loss, ax_diff):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-
-    fig.suptitle(_title(report))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def _bar_label(value: float | None) -> str:

@@ -1,0 +1,33 @@
+"""The `ligertune` command line: a thin Typer shell over the modules that do the work.
+
+`common` holds the app, its global options and the error printing; each other module registers
+its commands on that app when imported: `recipes` (validate, recipes, env), `run` (train, plan,
+preprocess, bench, compare) and `models` (generate, download).
+"""
+
+from __future__ import annotations
+
+import sys
+
+# isort: off
+# Each module registers its commands on the app, in this order in `ligertune --help`.
+from ligertune.cli import recipes  # noqa: F401
+from ligertune.cli import run  # noqa: F401
+from ligertune.cli import models  # noqa: F401
+
+# isort: on
+from ligertune.cli.common import app, fail
+from ligertune.errors import RecipeError
+
+__all__ = ["app", "main"]
+
+
+def main() -> None:
+    try:
+        app()
+    except RecipeError as e:
+        fail(e)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

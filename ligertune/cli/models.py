@@ -1,0 +1,95 @@
+"""Commands about trained models: `generate` and `download`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.markup import escape
+
+from ligertune.cli.common import (
+    _print_error,
+    _print_line,
+    app,
+    console,
+    err_console,
+)
+from ligertune.config import load_recipe
+
+
+@app.command()
+def generate(
+    run_or_model: str = typer.Argument(..., help="Run directory, Hugging Face model directory, or hub id."),
+    prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt to complete."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens", "-n", help="Tokens to generate at most."),
+    temperature: float = typer.Option(
+        0.0, "--temperature", "-t", help="0: greedy (reproducible); > 0: sampling."
+    ),
+    chat: bool = typer.Option(
+        True,
+        "--chat/--no-chat",
+        help="Send the prompt through the tokenizer's chat template (when it has one).",
+    ),
+) -> None:
+    """Complete a prompt with a trained model: a quick sanity check of a run.
+
+    A run directory uses its final/ export, or without one its newest checkpoint (the model rebuilt
+    from the checkpoint's recipe). Runs on the GPU when there is one, else on the CPU. Prints the
+    completion only. Exit status 2 when the model cannot be found or loaded.
+
+    [bold]Examples[/]
+
+      ligertune generate runs/quickstart --prompt "Give three tips for staying healthy."
+
+      ligertune generate runs/quickstart/final --prompt "Once upon a time" --no-chat -n 40
+
+      ligertune generate meta-llama/Llama-3.2-1B-Instruct --prompt "Hi" --temperature 0.7
+    """
+    from ligertune.tools.generate import GenerateError
+    from ligertune.tools.generate import generate as run_generate
+
+    try:
+        result = run_generate(
+            run_or_model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, chat=chat
+        )
+    except GenerateError as e:
+        _print_error(str(e))
+        raise typer.Exit(2) from None
+    how = "chat template" if result.chat else "plain prompt"
+    err_console.print(
+        f"[dim]{escape(result.source.describe())} on {result.device}, {how}[/]",
+        highlight=False,
+        soft_wrap=True,
+    )
+    console.print(result.completion, markup=False, highlight=False, soft_wrap=True)
+
+
+@app.command()
+def download(
+    recipe: Path = typer.Argument(..., help="Recipe file."),
+    overrides: list[str] | None = typer.Argument(None, help="key=value overrides, e.g. model.revision=main."),
+) -> None:
+    """Download what a recipe takes from the Hugging Face Hub into the HF cache: the model (weights,
+    config, tokenizer), a separate tokenizer, hub datasets. Then `train` runs without network
+    (HF_HUB_OFFLINE=1). Prints where each went.
+
+    Exit status: 0 done (or nothing to download), 1 a download failed (offline, no access, no such
+    repository), 2 bad recipe.
+
+    [bold]Example[/]
+
+      ligertune download recipes/llama3-8b-alpaca.yaml
+    """
+    from ligertune.tools.hub import HubError
+    from ligertune.tools.hub import download as run_download
+
+    loaded = load_recipe(recipe, overrides or [])
+    try:
+        done = run_download(loaded, report=_print_line)
+    except HubError as e:
+        _print_error(str(e))
+        raise typer.Exit(1) from None
+    if not done:
+        console.print(
+            "nothing to download: the recipe's model, tokenizer and data are local", highlight=False
+        )

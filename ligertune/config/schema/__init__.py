@@ -1,0 +1,178 @@
+"""The recipe schema: one pydantic model per YAML section, every field typed, defaulted and described.
+
+The sections live in `base` (the strict `Section` base), `model` (model, tokenizer, LoRA,
+objective), `data`, `training` (training, kernels, parallel) and `run` (logging, checkpoint,
+export); `Recipe`, here, puts them together.
+
+``docs/recipes.md`` is generated from these models (``python scripts/gen_recipe_docs.py``, checked
+by a test). Rules that relate several keys live in `ligertune.config.rules`, not here: a field
+validator checks its own value only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, field_validator, model_validator
+
+from ligertune.config.schema.base import (
+    BUILTIN_PLUGINS,
+    HUB_REPO_ID,
+    RUN_NAME,
+    AdamBeta,
+    Section,
+)
+from ligertune.config.schema.data import (
+    DATA_FORMATS,
+    PAIR_FORMATS,
+    DataFormat,
+    DataSection,
+    DataSource,
+)
+from ligertune.config.schema.model import (
+    LoraSection,
+    ModelSection,
+    ObjectiveSection,
+    TokenizerSection,
+)
+from ligertune.config.schema.run import (
+    CheckpointSection,
+    ExportSection,
+    LoggingSection,
+)
+from ligertune.config.schema.training import (
+    DeepSpeedOptions,
+    FSDPOptions,
+    KernelsSection,
+    ParallelSection,
+    TrainingSection,
+)
+from ligertune.paths import resolve_path
+
+
+class Recipe(Section):
+    name: str = Field(
+        "run",
+        description="Run name (letters, digits, '.', '_', '-'); also the default output directory under runs/.",
+    )
+    description: str = Field("", description="One line shown by `ligertune recipes`.")
+    seed: int = Field(
+        42, ge=0, lt=2**32, description="Seed for weights (random init), data order and dropout; 0 to 2³²−1."
+    )
+    output_dir: str | None = Field(
+        None, description="Where checkpoints, metrics and the export go (default runs/<name>); ~ expands."
+    )
+    model: ModelSection = Field(description="What to train.")
+    plugins: list[str] = Field(
+        default_factory=list,
+        description="Functions applied to the model after our kernels, as 'module:function' (called with "
+        "the model and the recipe) or a built-in name (liger: Liger-Kernel's patch, for comparisons).",
+    )
+    tokenizer: TokenizerSection = Field(
+        default_factory=TokenizerSection, description="Tokenizer source and padding."
+    )
+    data: DataSection = Field(description="Dataset, format and sequence layout.")
+    training: TrainingSection = Field(
+        default_factory=TrainingSection, description="Optimizer, schedule and loop."
+    )
+    kernels: KernelsSection = Field(
+        default_factory=KernelsSection,
+        description="Which Triton kernels to patch in: all, none, or per kernel.",
+    )
+    parallel: ParallelSection = Field(default_factory=ParallelSection, description="Multi-GPU strategy.")
+    logging: LoggingSection = Field(
+        default_factory=LoggingSection, description="Metrics and progress output."
+    )
+    checkpoint: CheckpointSection = Field(
+        default_factory=CheckpointSection, description="Saving and resuming."
+    )
+    export: ExportSection = Field(
+        default_factory=ExportSection, description="Where the final export goes besides the run directory."
+    )
+    objective: ObjectiveSection = Field(
+        default_factory=ObjectiveSection, description="The loss: sft (default), preference or distillation."
+    )
+    lora: LoraSection | None = Field(
+        None,
+        description="Train LoRA adapters instead of every weight (peft; pip install 'ligertune[lora]'). "
+        "Absent: full fine-tuning.",
+    )
+
+    # The directory the recipe file lives in: relative paths resolve against it.
+    _base_dir: Path | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, value: str) -> str:
+        """The default output folder is runs/<name>: a name with a separator or ``..`` would write
+        outside runs/, which is what output_dir is for."""
+        if not RUN_NAME.fullmatch(value) or value in (".", ".."):
+            raise ValueError(
+                f"got {value!r}; a run name is a plain name (letters, digits, '.', '_', '-'); "
+                "to choose where the run writes, set output_dir"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _lora_builds_whole(self) -> Recipe:
+        """``parallel.sharded_init: auto`` resolves to off with lora: the sharded build fills the
+        shards from a plain model's state dict, whose names are not the adapted model's. The
+        rule ``lora.sharded_init`` refuses an explicit true."""
+        if self.lora is not None and self.parallel.sharded_init == "auto":
+            self.parallel.sharded_init = False
+        return self
+
+    @model_validator(mode="after")
+    def _pairs_unpacked(self) -> Recipe:
+        """Preference and kto rows hold two sequences trained as a pair, which packing cannot keep
+        together: data.packing defaults to off for them (the rule ``objective.pairs_unpacked``
+        refuses an explicit true)."""
+        if self.data.format in PAIR_FORMATS and "packing" not in self.data.model_fields_set:
+            self.data.packing = False
+        return self
+
+    @field_validator("kernels", mode="before")
+    @classmethod
+    def _kernel_preset(cls, value):
+        if isinstance(value, str):
+            if value not in ("all", "none"):
+                raise ValueError(f"expected 'all', 'none' or a mapping of kernel: true/false, got {value!r}")
+            return KernelsSection.preset(value)
+        return value
+
+    @property
+    def run_dir(self) -> Path:
+        """Where the run writes: output_dir (``~`` expanded, relative to the working directory),
+        else runs/<name>."""
+        return Path(os.path.expanduser(self.output_dir)) if self.output_dir else Path("runs") / self.name
+
+    def resolve(self, path: str) -> Path:
+        return resolve_path(path, self._base_dir)
+
+
+__all__ = [
+    "AdamBeta",
+    "BUILTIN_PLUGINS",
+    "CheckpointSection",
+    "DATA_FORMATS",
+    "DataFormat",
+    "DataSection",
+    "DataSource",
+    "DeepSpeedOptions",
+    "ExportSection",
+    "FSDPOptions",
+    "HUB_REPO_ID",
+    "KernelsSection",
+    "LoggingSection",
+    "LoraSection",
+    "ModelSection",
+    "ObjectiveSection",
+    "PAIR_FORMATS",
+    "ParallelSection",
+    "RUN_NAME",
+    "Recipe",
+    "Section",
+    "TokenizerSection",
+    "TrainingSection",
+]

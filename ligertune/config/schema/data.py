@@ -1,0 +1,95 @@
+"""The data section: formats, sources, mixing, streaming and the tokenised-data cache."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ligertune.config.schema.base import Section
+
+DATA_FORMATS = (
+    "alpaca",
+    "chat",
+    "messages",
+    "sharegpt",
+    "prompt_completion",
+    "pretokenized",
+    "preference",
+    "kto",
+)
+DataFormat = Literal[
+    "alpaca", "chat", "messages", "sharegpt", "prompt_completion", "pretokenized", "preference", "kto"
+]
+# Formats whose rows are two sequences trained together (ligertune/data/preference.py).
+PAIR_FORMATS = ("preference", "kto")
+
+
+class DataSource(Section):
+    """One dataset of ``data.mix``; unset keys take the data section's value."""
+
+    path: str = Field(description="Hub dataset id, or a local JSON/JSONL/Parquet file or directory.")
+    weight: float = Field(
+        1.0, gt=0, description="Relative share of the mix's samples (weights need not sum to 1)."
+    )
+    format: DataFormat | None = Field(None, description="Format of this dataset (default: data.format).")
+    subset: str | None = Field(None, description="Hub config/subset (default: data.subset).")
+    split: str | None = Field(None, description="Split to train on (default: data.split).")
+    messages_field: str | None = Field(None, description="Messages column (default: data.messages_field).")
+
+
+class DataSection(Section):
+    format: DataFormat = Field(
+        "alpaca",
+        description="alpaca: instruction/input/output; chat (or messages): an OpenAI-style list of "
+        "{role, content}; sharegpt: a list of {from, value} (human/gpt/system); prompt_completion: "
+        "prompt/completion, loss on the completion; pretokenized: input_ids[/labels]; preference: "
+        "prompt/chosen/rejected (text or chat messages; dpo, orpo, simpo); kto: prompt/completion/label.",
+    )
+    path: str | None = Field(
+        None,
+        description="Hub dataset id, or a local JSON/JSONL/Parquet file or directory (or set mix instead).",
+    )
+    subset: str | None = Field(
+        None, description="Hub dataset config (subset) name: load_dataset(path, subset)."
+    )
+    mix: list[DataSource] | None = Field(
+        None,
+        description="Several datasets instead of path, each {path, weight, format, subset, split, "
+        "messages_field}; samples are drawn by weight, seeded (see README).",
+    )
+    split: str = Field("train", description="Split to train on.")
+    validation_split: str | None = Field(
+        None, description="Split to evaluate on; when absent, validation_fraction is held out from train."
+    )
+    validation_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Fraction of the training split held out for evaluation."
+    )
+    max_seq_len: int = Field(
+        2048, gt=0, description="Tokens per sequence; longer samples are truncated (and counted)."
+    )
+    packing: bool = Field(
+        True, description="Concatenate samples into max_seq_len rows, attention kept within each sample."
+    )
+    train_on_inputs: bool = Field(False, description="Also compute the loss on prompt tokens.")
+    messages_field: str | None = Field(
+        None,
+        description="Column holding the conversation (default: messages for chat, conversations for sharegpt).",
+    )
+    max_samples: int | None = Field(
+        None, gt=0, description="Use only the first N samples (after shuffling); with mix: the mix's size."
+    )
+    shuffle: bool = Field(True, description="Shuffle samples (seeded by the recipe seed).")
+    streaming: bool = Field(
+        False,
+        description="Read and tokenise the data on the fly (load_dataset(streaming=True)) instead of "
+        "tokenising it all first; needs training.max_steps.",
+    )
+    cache: bool = Field(
+        True, description="Keep the tokenised samples on disk and reuse them while the inputs are unchanged."
+    )
+    cache_dir: str | None = Field(
+        None,
+        description="Where tokenised samples are cached (default: $LIGERTUNE_DATA_CACHE, else "
+        "~/.cache/ligertune/datasets).",
+    )

@@ -1,0 +1,205 @@
+"""How to train: the optimizer and loop (`TrainingSection`), the kernels, and the parallel strategy."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, create_model, field_validator
+
+from ligertune.config.schema.base import AdamBeta, Section
+from ligertune.patching.registry import KERNEL_NAMES, KERNELS
+
+
+class TrainingSection(Section):
+    epochs: int = Field(1, gt=0, description="Passes over the training data (ignored when max_steps is set).")
+    max_steps: int | None = Field(None, gt=0, description="Optimizer steps to run; overrides epochs.")
+    micro_batch_size: int | Literal["auto"] = Field(
+        1,
+        description="Sequences per forward/backward on each device. auto: the largest that `ligertune plan` "
+        "says fits the GPU (with global_batch_size: the largest that also divides it per rank).",
+    )
+    gradient_accumulation_steps: int = Field(
+        1,
+        gt=0,
+        description="Micro-batches per optimizer step (with micro_batch_size auto and global_batch_size: derived).",
+    )
+    global_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Sequences per optimizer step over all ranks, kept when micro_batch_size is auto "
+        "(gradient accumulation makes up the rest); unset: gradient_accumulation_steps stays as written.",
+    )
+    lr: float = Field(2e-5, gt=0, description="Peak learning rate.")
+    lr_schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warmup: cosine or linear to min_lr_ratio·lr, or constant."
+    )
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final lr as a fraction of the peak.")
+    weight_decay: float = Field(
+        0.0, ge=0.0, description="AdamW weight decay (never applied to norms and biases)."
+    )
+    adam_betas: tuple[AdamBeta, AdamBeta] = Field(
+        (0.9, 0.95), strict=False, description="AdamW beta1, beta2, each in [0, 1)."
+    )
+    adam_eps: float = Field(1e-8, gt=0, lt=1, description="AdamW epsilon.")
+    max_grad_norm: float | None = Field(
+        1.0,
+        ge=0,
+        description="Clip the global gradient norm to this; 0 or null: no clipping (as in HF Trainer).",
+    )
+    precision: Literal["bf16", "bf16-mixed", "fp32"] = Field(
+        "bf16",
+        description="bf16: bf16 weights and optimizer; bf16-mixed: fp32 master weights + bf16 autocast; fp32.",
+    )
+    activation_checkpointing: Literal["auto", "none", "full", "selective"] | bool = Field(
+        "none",
+        description="Recompute decoder layers in backward (non-reentrant): full (every layer), selective "
+        "(every activation_checkpointing_every-th layer), none, or auto (the fastest that `ligertune plan` "
+        "says fits the GPU; none on CPU). true/false (older recipes) read as full/none.",
+    )
+    activation_checkpointing_every: int = Field(
+        2, gt=0, description="selective checkpointing: checkpoint layers 0, k, 2k, ... (k=1 is full)."
+    )
+    activation_offload: bool = Field(
+        False,
+        description="Copy what autograd saves in the (non-checkpointed) decoder layers to pinned CPU memory "
+        "and back in backward: long sequences at the cost of PCIe copies; a no-op on CPU.",
+    )
+    memory_budget_gib: float | None = Field(
+        None,
+        gt=0,
+        description="GPU memory (GiB per GPU) the auto choices plan against; default: the device's total.",
+    )
+    compile: bool = Field(False, description="torch.compile each decoder layer.")
+    fp8: Literal["none", "rowwise", "tensorwise"] = Field(
+        "none",
+        description="FP8 matmuls in the decoder layers' linear layers through torchao (pip install "
+        "'ligertune[fp8]'; pays with compile: true on an H100/H200): rowwise or tensorwise scaling.",
+    )
+    eval_every: int | None = Field(None, gt=0, description="Evaluate on the validation split every N steps.")
+    eval_max_batches: int | None = Field(None, gt=0, description="Cap the batches per evaluation.")
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="NaN/inf loss or grad norm: save the last good state and stop, or skip the step."
+    )
+    max_skipped_steps: int | None = Field(
+        10,
+        ge=0,
+        description="on_nonfinite=skip: stop as stop does once more steps than this were skipped in the "
+        "run, resumes included (null: no limit).",
+    )
+    max_consecutive_skipped_steps: int | None = Field(
+        3,
+        gt=0,
+        description="on_nonfinite=skip: stop as stop does once more steps than this were skipped in a row "
+        "(null: no limit).",
+    )
+    device: Literal["auto", "cuda", "cpu"] = Field(
+        "auto", description="Where to train; auto picks CUDA when present."
+    )
+
+    @field_validator("micro_batch_size", mode="wrap")
+    @classmethod
+    def _count_or_auto(cls, value, handler):
+        """A positive integer or ``auto``, with one message for anything else (a union would
+        report each member's complaint)."""
+        if value == "auto":
+            return value
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"got {value!r}; input should be a valid integer, or auto")
+        if value <= 0:
+            raise ValueError(f"got {value!r}; input should be greater than 0, or auto")
+        return value
+
+    @field_validator("activation_checkpointing", mode="wrap")
+    @classmethod
+    def _checkpointing_mode(cls, value, handler) -> str:
+        """Older recipes say true/false: full/none, normalised here so the code sees one spelling."""
+        if isinstance(value, bool):
+            return "full" if value else "none"
+        if value not in ("auto", "none", "full", "selective"):
+            raise ValueError(
+                f"got {value!r}; allowed: 'auto', 'none', 'full' or 'selective' (true/false: full/none)"
+            )
+        return value
+
+    @field_validator("max_grad_norm")
+    @classmethod
+    def _zero_is_no_clipping(cls, value: float | None) -> float | None:
+        """0 means no clipping, as HF Trainer users expect; read literally it would scale every
+        gradient to zero. Normalised here so every strategy sees one spelling (None)."""
+        return None if value == 0 else value
+
+
+class _KernelSwitches(Section):
+    """Methods of `KernelsSection`, whose fields (one bool per kernel) come from the registry."""
+
+    @classmethod
+    def preset(cls, name: str) -> KernelsSection:
+        """``all``: every kernel at its default (the loss kernel is the fused linear CE);
+        ``none``: every kernel off."""
+        if name == "all":
+            return cls()
+        return cls(**dict.fromkeys(KERNEL_NAMES, False))
+
+    def enabled(self) -> list[str]:
+        return [k for k in KERNEL_NAMES if getattr(self, k)]
+
+
+# One field per `ligertune.patching.registry.KERNELS` entry, in its order: adding a kernel to the
+# registry adds its recipe key, its documentation line and its command-line spelling.
+KernelsSection = create_model(
+    "KernelsSection",
+    __base__=_KernelSwitches,
+    __doc__="Which Triton kernels to patch in: one switch per kernel of the registry.",
+    **{k.name: (bool, Field(k.default, description=k.summary)) for k in KERNELS},
+)
+
+
+class FSDPOptions(Section):
+    reshard_after_forward: bool = Field(
+        True, description="Free gathered parameters after forward (ZeRO-3 style)."
+    )
+    cpu_offload: bool = Field(False, description="Keep sharded parameters and gradients on the CPU.")
+    mixed_precision: bool = Field(True, description="bf16 parameters in compute, fp32 gradient reduction.")
+
+
+class DeepSpeedOptions(Section):
+    zero_stage: Literal[1, 2, 3] = Field(3, description="ZeRO stage.")
+    offload_optimizer: bool = Field(False, description="Offload optimizer states to the CPU.")
+    offload_params: bool = Field(False, description="Offload parameters to the CPU (stage 3).")
+    config: str | None = Field(None, description="A DeepSpeed JSON file merged over the generated config.")
+
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _stage_not_bool(cls, value):
+        """``True == 1`` in Python, so a Literal[1, 2, 3] would read ``zero_stage: true`` as 1."""
+        if isinstance(value, bool):
+            raise ValueError(f"got {value!r}; allowed: 1, 2 or 3")
+        return value
+
+
+class ParallelSection(Section):
+    strategy: Literal["none", "ddp", "fsdp", "deepspeed"] = Field(
+        "none", description="none (one device), ddp, fsdp (FSDP2 fully_shard) or deepspeed (ZeRO)."
+    )
+    fsdp: FSDPOptions = Field(default_factory=FSDPOptions, description="Options for strategy fsdp.")
+    deepspeed: DeepSpeedOptions = Field(
+        default_factory=DeepSpeedOptions, description="Options for strategy deepspeed."
+    )
+    sharded_init: Literal["auto"] | bool = Field(
+        "auto",
+        description="Build the model empty (meta device), shard it, then fill each rank's shards from "
+        "rank 0 (fsdp) or build it inside deepspeed.zero.Init (ZeRO-3), so no GPU holds the whole "
+        "model. auto: on for fsdp (without cpu_offload) and deepspeed stage 3 (off with lora); true "
+        "elsewhere is an error.",
+    )
+
+    @property
+    def shards_at_init(self) -> bool:
+        """Whether the model is built sharded (``sharded_init`` with ``auto`` resolved)."""
+        sharding = self.strategy == "fsdp" or (
+            self.strategy == "deepspeed" and self.deepspeed.zero_stage == 3
+        )
+        if self.sharded_init == "auto":  # not yet with FSDP's CPU offload (docs/distributed.md)
+            return sharding and not (self.strategy == "fsdp" and self.fsdp.cpu_offload)
+        return bool(self.sharded_init)

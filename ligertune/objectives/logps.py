@@ -1,0 +1,98 @@
+"""Per-sequence log-probs of the label tokens, from the policy (with gradients) and from frozen
+models (reference, teacher), for the preference and distillation objectives.
+
+    log π(y | x) = Σ_t log softmax(z_t)[y_t+1]     over the sequence's label tokens (labels ≠ −100)
+
+Two paths for the policy, chosen once when the objective is built:
+
+- *fused* (``kernels.fused_linear_cross_entropy`` patched in, the default): the model's forward
+  gets ``lm_head_loss_fn`` (`ligertune.patching.losses.LM_HEAD_LOSS_FN`), so the lm_head module
+  computes per-token log-probs with `ligertune.kernels.fused_linear_logprobs` inside its own call
+  (DDP, and the gathers of sharded strategies, see the same call as for the plain loss), and the
+  [tokens × vocab] logits never exist. A LoRA adapter on the lm_head is handled as for SFT.
+- *materialised* (kernels off, or an lm_head the kernel cannot compute): the HF forward's
+  logits, ``log_softmax`` in fp32 and a gather: what TRL computes.
+
+Frozen models are never wrapped (no DDP, no sharding: a recipe rule refuses FSDP/DeepSpeed), so
+their base model and lm_head are called directly under ``no_grad``, through the same kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ligertune.data.formats import IGNORE_INDEX
+from ligertune.kernels.fused_linear_logprobs import fused_linear_logprobs
+from ligertune.objectives.base import Batch
+from ligertune.patching.common import MARK
+from ligertune.patching.losses import LM_HEAD_LOSS_FN, fused_head
+
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
+    return {k: batch[k] for k in MODEL_INPUTS if k in batch}
+
+
+def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
+    """[R, S] next-token targets: position t is scored against labels[t + 1]; the last gets −100."""
+    return nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def lm_head_is_fused(model: nn.Module) -> bool:
+    """Whether the model's causal LM runs our fused linear cross entropy with an lm_head the
+    kernel can compute (so `LM_HEAD_LOSS_FN` works)."""
+    for module in model.modules():
+        if module.__dict__.get(MARK) == "fused_linear_cross_entropy" and hasattr(module, "lm_head"):
+            return fused_head(module.lm_head)[0] is not None
+    return False
+
+
+def _token_logps(hidden, weight, target, bias=None, *, ignore_index=IGNORE_INDEX, softcap=None, **_):
+    """`LM_HEAD_LOSS_FN` for the policy: per-token log-probs [N], 0 on ignored targets."""
+    return fused_linear_logprobs(hidden, weight, target, bias, ignore_index=ignore_index, softcap=softcap)
+
+
+def logps_from_logits(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[R, S] per-token log-probs from materialised logits [R, S, V] (fp32), 0 on ignored targets."""
+    valid = target != IGNORE_INDEX
+    logp = logits.float().log_softmax(-1).gather(-1, torch.where(valid, target, 0)[..., None])[..., 0]
+    return torch.where(valid, logp, 0.0)
+
+
+def sequence_logps(model: nn.Module, batch: Batch, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ log-probs, label tokens) of every row of the batch, fp32 [R] each, through the model's
+    own forward (so the strategy's wrapper sees it)."""
+    labels = batch["labels"]
+    target = shifted_targets(labels)
+    if fused:
+        out = model(**model_inputs(batch), labels=labels, **{LM_HEAD_LOSS_FN: _token_logps})
+        token = out.loss.view(target.shape)
+    else:
+        token = logps_from_logits(model(**model_inputs(batch)).logits, target)
+    return token.sum(-1), (target != IGNORE_INDEX).sum(-1)
+
+
+def frozen_hidden(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """The final hidden states [R, S, H] of an unwrapped causal LM (its base model's output)."""
+    base = getattr(model, model.base_model_prefix)
+    return base(**model_inputs(batch), use_cache=False).last_hidden_state
+
+
+def head_of(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+    """(weight, bias, final-logit softcap) of an unwrapped causal LM's lm_head."""
+    head = model.get_output_embeddings()
+    return head.weight, head.bias, getattr(model.config, "final_logit_softcapping", None)
+
+
+@torch.no_grad()
+def frozen_logps(model: nn.Module, batch: Batch) -> torch.Tensor:
+    """Σ log-probs [R] of every row under a frozen, unwrapped causal LM, chunked."""
+    hidden = frozen_hidden(model, batch)
+    weight, bias, softcap = head_of(model)
+    target = shifted_targets(batch["labels"])
+    token = fused_linear_logprobs(
+        hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, softcap=softcap
+    )
+    return token.view(target.shape).sum(-1)

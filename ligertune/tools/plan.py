@@ -1,0 +1,121 @@
+"""``ligertune plan``: will the recipe fit, and what is the fastest setting that does?
+
+Builds the recipe's model empty (meta device: no GPU memory, no weights read), prints the per-GPU
+breakdown of the recipe's own setting (`ligertune.training.memory.estimate` explains the model
+and its assumptions), then a table over micro-batch size × activation checkpointing (none,
+selective every 2nd layer, full) × activation offload, each marked fits / does not fit on the
+target GPU, fastest first by the estimate's throughput order. Exit status 2 when no setting
+fits, with the cheapest change that would make it fit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ligertune.config import Recipe
+from ligertune.training.memory.choose import (
+    base_setting,
+    candidates,
+    cheapest_fix,
+    choose,
+    gib,
+    micro_batch_choices,
+    rank_choices,
+    recipe_checkpointing,
+)
+from ligertune.training.memory.estimate import CHECKPOINTING, GIB, HEADROOM_FRACTION, Breakdown, estimate
+from ligertune.training.memory.shape import recipe_shape
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    fits: bool  # some setting fits
+    recipe_fits: bool  # the recipe's own setting fits
+    breakdown: Breakdown  # the recipe's own setting
+    suggestion: str | None  # the cheapest fix when nothing fits
+
+
+def gpu_bytes(option: str | None) -> int:
+    """``--gpu-memory`` (``80GiB``, ``80``, ``81920MiB``), else the visible CUDA device's memory."""
+    if option:
+        text = option.strip().lower().replace(" ", "")
+        for suffix, scale in (("gib", GIB), ("gb", 10**9), ("mib", 2**20), ("g", GIB)):
+            if text.endswith(suffix):
+                return int(float(text[: -len(suffix)]) * scale)
+        return int(float(text) * GIB)
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    raise ValueError("no CUDA device here: give the target with --gpu-memory (e.g. --gpu-memory 80GiB)")
+
+
+def _breakdown_table(b: Breakdown, budget: int) -> Table:
+    table = Table(title=f"per-GPU memory: {b.setting.label()}", show_header=True)
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    for group, items in (
+        ("model states", b.states),
+        ("activations", b.activations),
+        ("temporaries", b.temporaries),
+    ):
+        table.add_row(f"[bold]{group}[/]", "")
+        for name, n in items.items():
+            table.add_row(f"  {name}", f"{n / GIB:.2f}")
+    table.add_row("[bold]peak moments[/]", "")
+    for name, n in b.moments.items():
+        table.add_row(f"  {name}" + (" ← peak" if name == b.peak_moment else ""), f"{n / GIB:.2f}")
+    table.add_row("allocator headroom kept free", f"{budget * HEADROOM_FRACTION / GIB:.2f}")
+    table.add_row("[bold]predicted peak allocated[/]", f"[bold]{b.peak / GIB:.2f}[/]")
+    return table
+
+
+def plan(recipe: Recipe, world_size: int, budget: int, console: Console) -> PlanResult:
+    """Print the breakdown and the table of choices; the result says what fits."""
+    shape = recipe_shape(recipe)
+    base = base_setting(recipe, world_size)
+    own = estimate(shape, base)
+    console.print(
+        f"{recipe.name}: {shape.params / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, "
+        f"vocab {shape.vocab}), {base.precision}, {base.strategy} × {world_size}, rows of {base.seq_len} tokens, "
+        f"kernels: {', '.join(sorted(base.kernels)) or 'none'}; target {gib(budget)} per GPU"
+    )
+    console.print(_breakdown_table(own, budget))
+    off = estimate(shape, replace(base, kernels=frozenset()))
+    console.print(
+        f"the same without our kernels: {gib(off.peak)} (activations {gib(sum(off.activations.values()))}, "
+        f"loss head {gib(off.temporaries['loss head at its peak'])})"
+    )
+    settings = candidates(base, micro_batch_choices(recipe, world_size), CHECKPOINTING)
+    table = Table(title="choices, fastest first (relative speed is an order, not a prediction)")
+    for column in ("micro-batch", "checkpointing", "offload", "peak GiB", "fits", "relative speed"):
+        table.add_column(column, justify="right" if column != "checkpointing" else "left")
+    for c in rank_choices(shape, settings):
+        s, fits = c.setting, c.breakdown.fits(budget)
+        ckpt = f"selective/{s.every}" if s.checkpointing == "selective" else s.checkpointing
+        table.add_row(
+            str(s.micro_batch_size),
+            ckpt,
+            "yes" if s.offload else "",
+            f"{c.breakdown.peak / GIB:.1f}",
+            "[green]fits[/]" if fits else "[red]does not fit[/]",
+            f"{c.speed:.2f}",
+        )
+    console.print(table)
+    best = choose(shape, settings, budget)
+    recipe_fits = own.fits(budget)
+    if best is None:
+        fix = cheapest_fix(shape, base, budget)
+        console.print(
+            f"[bold red]nothing fits {gib(budget)} per GPU[/]; the cheapest change that fits: {fix}"
+        )
+        return PlanResult(False, False, own, fix)
+    auto = "auto" in (recipe_checkpointing(recipe), recipe.training.micro_batch_size)
+    console.print(
+        f"fastest that fits: {best.setting.label()} (peak {gib(best.breakdown.peak)})"
+        + ("; this is what auto picks" if auto else "")
+        + ("" if recipe_fits else f"; [bold red]the recipe as written does not fit[/] ({gib(own.peak)})")
+    )
+    return PlanResult(True, recipe_fits, own, None)

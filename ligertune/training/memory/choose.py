@@ -1,0 +1,184 @@
+"""From a recipe to `Setting`s, the table of choices, and the ``auto`` picks.
+
+`base_setting` reads what the recipe fixes (precision, strategy, kernels, sequence length);
+`candidates` varies what the plan chooses among (micro-batch size, activation checkpointing
+none / selective every 2nd layer / full, activation offload); `choose` picks the fastest
+candidate that fits with the safety margin (`HEADROOM_FRACTION` of the GPU left free), which is
+what ``training.activation_checkpointing: auto`` and ``training.micro_batch_size: auto`` do.
+
+The global batch when ``micro_batch_size`` is auto: ``training.global_batch_size`` (sequences
+per optimizer step over all ranks) when the recipe sets it, and then the micro-batch is the
+largest that fits *and* divides ``global_batch_size / world_size``, with the gradient
+accumulation steps making up the rest. Without it, ``gradient_accumulation_steps`` stays as
+written and the global batch is whatever micro-batch fits × accumulation × world size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ligertune.training.memory.estimate import (
+    GIB,
+    HEADROOM_FRACTION,
+    Breakdown,
+    ModelShape,
+    Setting,
+    estimate,
+    relative_speed,
+)
+
+if TYPE_CHECKING:
+    from ligertune.config import Recipe
+
+# Micro-batch sizes the plan tries (and the largest ``auto`` considers).
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+SELECTIVE_EVERY = 2  # the plan's selective candidate: every other layer checkpointed
+
+
+def recipe_checkpointing(recipe: Recipe) -> str:
+    """The recipe's checkpointing as none/selective/full/auto (true/false read as full/none)."""
+    value = recipe.training.activation_checkpointing
+    return {True: "full", False: "none"}.get(value, value)
+
+
+def native_gqa(recipe: Recipe) -> bool:
+    """Whether attention takes k and v at the key/value heads. flash-attn and flex attention do;
+    transformers' sdpa path does only without a mask (`use_gqa_in_sdpa`), and unpacked rows are
+    padded, so there it expands them with ``repeat_kv`` first (packed rows go to flex on CUDA)."""
+    return recipe.data.packing or recipe.model.attn_implementation in ("flash_attention_2", "flex_attention")
+
+
+def base_setting(recipe: Recipe, world_size: int) -> Setting:
+    """The recipe as a `Setting`; ``auto`` values read as micro-batch 1 / no checkpointing."""
+    training, parallel = recipe.training, recipe.parallel
+    gqa_native = native_gqa(recipe)
+    checkpointing = recipe_checkpointing(recipe)
+    micro = training.micro_batch_size
+    return Setting(
+        micro_batch_size=1 if micro == "auto" else micro,
+        seq_len=recipe.data.max_seq_len,
+        checkpointing="none" if checkpointing == "auto" else checkpointing,
+        every=training.activation_checkpointing_every,
+        offload=training.activation_offload,
+        kernels=frozenset(recipe.kernels.enabled()),
+        precision=training.precision,
+        strategy=parallel.strategy,
+        world_size=world_size,
+        zero_stage=parallel.deepspeed.zero_stage,
+        fsdp_mixed_precision=parallel.fsdp.mixed_precision,
+        fsdp_reshard_after_forward=parallel.fsdp.reshard_after_forward,
+        fsdp_cpu_offload=parallel.fsdp.cpu_offload,
+        deepspeed_offload_optimizer=parallel.deepspeed.offload_optimizer,
+        deepspeed_offload_params=parallel.deepspeed.offload_params,
+        gqa_native=gqa_native,
+    )
+
+
+def micro_batch_choices(recipe: Recipe, world_size: int) -> tuple[int, ...]:
+    """Micro-batch sizes to consider: the recipe's own, or (auto) the powers of two that divide
+    ``global_batch_size / world_size`` when the recipe sets a global batch."""
+    micro = recipe.training.micro_batch_size
+    if micro != "auto":
+        return tuple(sorted({micro, *MICRO_BATCHES}))
+    per_rank = global_per_rank(recipe, world_size)
+    return tuple(b for b in MICRO_BATCHES if per_rank is None or per_rank % b == 0)
+
+
+def global_per_rank(recipe: Recipe, world_size: int) -> int | None:
+    """Sequences per optimizer step on each rank when the recipe sets ``global_batch_size``."""
+    total = recipe.training.global_batch_size
+    return None if total is None else total // world_size
+
+
+def candidates(
+    base: Setting, micro_batches: tuple[int, ...], checkpointing: tuple[str, ...]
+) -> list[Setting]:
+    """Every combination the plan's table shows: micro-batch × checkpointing × offload (offload
+    only where some layer is not checkpointed: a checkpointed layer saves little to offload)."""
+    settings = []
+    for micro in micro_batches:
+        for ckpt in checkpointing:
+            for offload in (False, True):
+                if offload and ckpt == "full":
+                    continue
+                every = (
+                    base.every
+                    if ckpt == "selective" and base.checkpointing == "selective"
+                    else SELECTIVE_EVERY
+                )
+                settings.append(
+                    replace(base, micro_batch_size=micro, checkpointing=ckpt, every=every, offload=offload)
+                )
+    return settings
+
+
+@dataclass(frozen=True)
+class Choice:
+    setting: Setting
+    breakdown: Breakdown
+    speed: float
+
+
+def rank_choices(shape: ModelShape, settings: list[Setting]) -> list[Choice]:
+    """Each setting with its breakdown, fastest first by `relative_speed`."""
+    choices = [Choice(s, estimate(shape, s), relative_speed(shape, s)) for s in settings]
+    return sorted(choices, key=lambda c: -c.speed)
+
+
+def choose(
+    shape: ModelShape, settings: list[Setting], gpu_bytes: int, headroom: float = HEADROOM_FRACTION
+) -> Choice | None:
+    """The fastest setting that fits, or None when none does."""
+    return next((c for c in rank_choices(shape, settings) if c.breakdown.fits(gpu_bytes, headroom)), None)
+
+
+OUR_KERNELS = frozenset({"rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"})
+# A stand-in for LoRA's trainable share when suggesting it (rank 16 on every linear layer of a
+# Llama is about 0.5% of the parameters).
+LORA_SHARE = 0.005
+
+
+def cheapest_fix(shape: ModelShape, base: Setting, gpu_bytes: int) -> str:
+    """What would make a recipe that fits in no setting fit: the first change, in order of how
+    little it changes the training (same math first: kernels, sharding, offload; then numerics,
+    data, and what is trained), whose smallest setting (micro-batch 1, full checkpointing) fits."""
+    smallest = replace(base, micro_batch_size=1, checkpointing="full", offload=False)
+    more = max(2, base.world_size * 2)
+    fixes: list[tuple[str, Setting, ModelShape]] = []
+
+    def fix(text: str, setting: Setting, fixed_shape: ModelShape = shape) -> None:
+        fixes.append((text, setting, fixed_shape))
+
+    if not OUR_KERNELS <= base.kernels:
+        fix("kernels=all", replace(smallest, kernels=(smallest.kernels - {"cross_entropy"}) | OUR_KERNELS))
+    if base.strategy in ("none", "ddp"):
+        fix(
+            f"parallel.strategy=fsdp with --nproc-per-node {more}",
+            replace(smallest, strategy="fsdp", world_size=more),
+        )
+    else:
+        fix(f"--nproc-per-node {more}", replace(smallest, world_size=more))
+    if base.strategy == "fsdp":
+        fix("parallel.fsdp.cpu_offload=true", replace(smallest, fsdp_cpu_offload=True))
+    if base.strategy == "deepspeed":
+        fix("parallel.deepspeed.offload_optimizer=true", replace(smallest, deepspeed_offload_optimizer=True))
+    if base.precision != "bf16" and base.strategy != "deepspeed":
+        fix("training.precision=bf16", replace(smallest, precision="bf16"))
+    for seq in (base.seq_len // 2, base.seq_len // 4):
+        if seq >= 128:
+            fix(f"data.max_seq_len={seq}", replace(smallest, seq_len=seq))
+    if not shape.lora_params:
+        fix(
+            "a lora section (adapters instead of full fine-tuning)",
+            smallest,
+            replace(shape, lora_params=int(shape.params * LORA_SHARE)),
+        )
+    for text, setting, fixed_shape in fixes:
+        if estimate(fixed_shape, setting).fits(gpu_bytes):
+            return text
+    return "a GPU with more memory"
+
+
+def gib(n: int | float) -> str:
+    return f"{n / GIB:.1f} GiB"

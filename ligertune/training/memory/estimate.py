@@ -1,0 +1,440 @@
+"""How much GPU memory a training step needs: the arithmetic behind ``ligertune plan`` and the
+``auto`` choices of ``training.activation_checkpointing`` and ``training.micro_batch_size``.
+
+Everything here is counted from shapes, never measured: a `ModelShape` (read from the model's
+config and an empty, meta-device build) and a `Setting` (batch, checkpointing, offload,
+kernels, precision, strategy, world size). The result is a `Breakdown`: named byte counts
+per GPU, grouped into model states, activations, temporaries and allocator headroom, and the
+predicted peak.
+
+The model of a step
+-------------------
+The peak allocated memory of a training step is the largest of three moments:
+
+1. *the loss*: the end of the forward, when every saved activation is alive, plus the loss
+   head's temporaries (eager: the ``[tokens × vocab]`` logits, their fp32 copy, log-softmax and
+   its gradient; fused linear cross entropy: one chunk buffer and the fp32 dW accumulator);
+2. *the start of backward*: every saved activation, the loss head's gradients, and the
+   working set of one layer's backward (with checkpointing: that layer's recomputed
+   activations too);
+3. *the end of backward / the optimizer step*: every gradient, the last layer's working set.
+
+Model states (weights, gradients, AdamW moments, fp32 master weights, the bf16 weight copies
+that autocast keeps, FSDP2's gathered layers, ZeRO-3's prefetch) sit under all three. The
+gradients are counted only where they exist: ``zero_grad(set_to_none=True)`` frees them after
+each step, so at the loss only the loss head's own gradient (which the fused kernel computes in
+the forward) is there.
+
+Activations: what autograd saves
+--------------------------------
+`layer_saved` lists, tensor by tensor, what autograd keeps for backward in one Llama-style
+decoder layer (RMSNorm → attention with RoPE → RMSNorm → gated MLP, as transformers 5.17
+writes them), per token, with and without our kernels. A tensor saved by two nodes (the normed
+hidden state feeds q, k and v) is counted once; views share their base's storage.
+
+    HF eager                                         ours (kernels on)
+    RMSNorm: x in fp32, x·rstd, rstd, output         RMSNorm kernel: x, rstd (+ the output, saved by the projections)
+    RoPE: cos/sin only (shared by every layer)       RoPE kernel: cos/sin only (it saves temporaries, not activations)
+    attention (sdpa/flash): q, k, v, out, lse        the same
+    MLP: gate, silu(gate), up, silu(gate)·up         SwiGLU kernel: gate, up (+ the product, saved by down_proj)
+    loss: fp32 log-probabilities [tokens × vocab]    fused linear CE: dh [tokens × hidden] and dW [vocab × hidden]
+
+(``kernels/*.py`` say what each autograd Function saves.) The listing is checked against a
+measurement on CPU (``tests/test_plan.py``: ``saved_tensors_hooks`` summing the unique storages
+of a tiny model's forward).
+
+Dtypes: the *compute* dtype (matmul outputs: bf16 unless fp32) and the *stream* dtype (the
+residual stream between layers: fp32 for fp32, and for bf16-mixed where autocast alone
+casts, i.e. without FSDP2's or DeepSpeed's bf16 parameters; bf16 otherwise).
+
+Assumptions (what the GPU check, ``scripts/gpu_plan_accuracy.sh``, validates)
+------------------------------------------------------------------------------
+- Every row is ``max_seq_len`` tokens (packed rows, or padding to the longest row at worst).
+- Attention keeps q, k, v, out and the log-sum-exp (flash, cuDNN, flex, CPU flash); k and v at
+  the key/value heads when the backend handles GQA natively, else expanded (``gqa_native``).
+- The eager loss holds three fp32 ``[tokens × vocab]`` tensors and one in the compute dtype at
+  its peak (the saved log-probabilities, their gradient, the logits' fp32 gradient and its
+  bf16 copy; calibrated on the measured eager peaks of docs/benchmarks.md); ``cross_entropy`` keeps one
+  gradient-sized tensor; fused linear CE one chunk buffer (the kernel's own `chunk_rows`) and,
+  with several chunks and bf16 weights, its fp32 dW accumulator.
+- A layer's backward needs about the gradients of its largest activations: the MLP's gate/up
+  gradients and a few hidden-sized ones (`layer_backward_bytes`).
+- AdamW keeps two moments in the parameters' dtype; fp32 master weights for bf16-mixed; LoRA
+  trains only its adapters (frozen weights have no gradient or moments).
+- FSDP2: each decoder layer is a unit; one is gathered at a time plus one prefetched, in bf16
+  with ``mixed_precision``; the root (embeddings, final norm, lm_head) stays gathered from forward
+  to backward; gradients are reduced in fp32 through a layer-sized buffer.
+- DeepSpeed: ZeRO-1/2/3 with bf16 module weights and fp32 master weights and moments in the
+  optimizer; ZeRO-3 prefetches about one layer ahead.
+- The caching allocator's fragmentation is not modelled: a fixed headroom fraction of the GPU
+  is kept free (`HEADROOM_FRACTION`) when deciding what fits.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+GIB = 2**30
+# Part of the GPU left free when deciding "fits": the caching allocator's fragmentation, the
+# CUDA context and library workspaces (cuBLAS, NCCL), which are not allocated tensors.
+HEADROOM_FRACTION = 0.08
+# The fused linear cross entropy's default chunk budget (kernels/fused_linear_cross_entropy.py).
+FLCE_BUDGET_BYTES = 768 * 2**20
+# Rows of a fused-CE chunk are rounded to this (the kernel's tile alignment).
+_FLCE_ROW_ALIGN = 64
+
+CHECKPOINTING = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that decide memory, read from a (meta-device) model and its config."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    params: int  # all parameters
+    layer_params: int  # one decoder layer
+    embed_params: int  # the input embedding
+    head_params: int  # the lm_head (0 when tied to the embedding)
+    lora_params: int = 0  # trainable adapter parameters (0: full fine-tuning)
+
+    @property
+    def trainable(self) -> int:
+        return self.lora_params or self.params
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to run the recipe: what the plan varies, and what it takes from the recipe."""
+
+    micro_batch_size: int
+    seq_len: int
+    checkpointing: str = "none"  # none | selective | full
+    every: int = 2  # selective: every k-th layer is checkpointed
+    offload: bool = False  # activation offload to pinned CPU memory (non-checkpointed layers)
+    kernels: frozenset[str] = frozenset()
+    precision: str = "bf16"  # bf16 | bf16-mixed | fp32
+    strategy: str = "none"  # none | ddp | fsdp | deepspeed
+    world_size: int = 1
+    zero_stage: int = 3
+    fsdp_mixed_precision: bool = True
+    fsdp_reshard_after_forward: bool = True
+    fsdp_cpu_offload: bool = False
+    deepspeed_offload_optimizer: bool = False
+    deepspeed_offload_params: bool = False
+    gqa_native: bool = True
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    @property
+    def checkpointed_layers_fraction(self) -> float:
+        return {"none": 0.0, "full": 1.0}.get(self.checkpointing, 1.0 / self.every)
+
+    def label(self) -> str:
+        ckpt = f"selective/{self.every}" if self.checkpointing == "selective" else self.checkpointing
+        return f"micro {self.micro_batch_size}, checkpointing {ckpt}" + (", offload" if self.offload else "")
+
+
+def checkpointed_layers(layers: int, s: Setting) -> int:
+    """How many decoder layers are checkpointed: all (full), layers 0, k, 2k, ... (selective,
+    transformers' ``every_n_layers``), or none."""
+    if s.checkpointing == "full":
+        return layers
+    return math.ceil(layers / s.every) if s.checkpointing == "selective" else 0
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor autograd saves, per token: elements and bytes per element."""
+
+    name: str
+    per_token: int
+    bytes_per_element: int
+
+    def bytes(self, tokens: int) -> int:
+        return tokens * self.per_token * self.bytes_per_element
+
+
+@dataclass
+class Breakdown:
+    """Named byte counts per GPU and the predicted peak, with the moment it happens."""
+
+    setting: Setting
+    states: dict[str, int] = field(default_factory=dict)
+    activations: dict[str, int] = field(default_factory=dict)
+    temporaries: dict[str, int] = field(default_factory=dict)
+    moments: dict[str, int] = field(default_factory=dict)  # the three candidate peaks
+
+    @property
+    def peak(self) -> int:
+        return max(self.moments.values())
+
+    @property
+    def peak_moment(self) -> str:
+        return max(self.moments, key=self.moments.get)
+
+    def fits(self, gpu_bytes: int, headroom: float = HEADROOM_FRACTION) -> bool:
+        return self.peak <= gpu_bytes * (1 - headroom)
+
+
+# --------------------------------------------------------------------------------------------
+# Dtypes
+# --------------------------------------------------------------------------------------------
+
+
+def compute_bytes(s: Setting) -> int:
+    """Bytes per element of matmul outputs (bf16 unless fp32)."""
+    return 4 if s.precision == "fp32" else 2
+
+
+def stream_bytes(s: Setting) -> int:
+    """Bytes per element of the residual stream between layers."""
+    if s.precision == "fp32":
+        return 4
+    if s.precision == "bf16-mixed":
+        bf16_params = (s.strategy == "fsdp" and s.fsdp_mixed_precision) or s.strategy == "deepspeed"
+        return 2 if bf16_params else 4
+    return 2
+
+
+def weight_bytes(s: Setting) -> int:
+    """Bytes per element of the parameters as the optimizer holds them (before sharding)."""
+    return 2 if s.precision == "bf16" else 4
+
+
+# --------------------------------------------------------------------------------------------
+# Activations
+# --------------------------------------------------------------------------------------------
+
+
+def _norm_saved(name: str, shape: ModelShape, s: Setting, fused: bool, output_saved: bool) -> list[Saved]:
+    es, ea, h = stream_bytes(s), compute_bytes(s), shape.hidden
+    if fused:  # our kernel: x and rstd (rms_norm.py `_rms_norm_setup`)
+        saved = [Saved(f"{name}: input x", h, es), Saved(f"{name}: rstd", 1, 4)]
+    else:  # HF: x.to(fp32) (pow, mul), rsqrt(var+eps) (mul), x·rstd in the input dtype (weight mul)
+        saved = [
+            Saved(f"{name}: input in fp32", h, 4),
+            Saved(f"{name}: rstd", 1, 4),
+            Saved(f"{name}: x·rstd", h, es),
+        ]
+    if output_saved:  # the next linear layers keep their input (autocast: its bf16 copy)
+        saved.append(Saved(f"{name}: output (projections' input)", h, ea))
+    return saved
+
+
+def layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
+    """What autograd saves for one decoder layer, per token (see the module docstring)."""
+    ea, k = compute_bytes(s), s.kernels
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    kv_attn = kv if s.gqa_native else q  # repeat_kv expands k and v before sdpa
+    saved = _norm_saved("input_layernorm", shape, s, "rms_norm" in k, True)
+    # RoPE, eager or ours, saves only cos and sin (once per model): q·cos needs cos for q's
+    # gradient, and cos needs none.
+    saved += [
+        Saved("attention: q", q, ea),
+        Saved("attention: k", kv_attn, ea),
+        Saved("attention: v", kv_attn, ea),
+        Saved("attention: output (o_proj's input)", q, ea),
+        Saved("attention: log-sum-exp", shape.heads, 4),
+    ]
+    saved += _norm_saved("post_attention_layernorm", shape, s, "rms_norm" in k, True)
+    i = shape.intermediate
+    saved += [Saved("mlp: gate", i, ea), Saved("mlp: up", i, ea)]
+    if not ({"swiglu", "geglu"} & k):
+        saved.append(Saved("mlp: act(gate)", i, ea))
+    saved.append(Saved("mlp: act(gate)·up (down_proj's input)", i, ea))
+    return saved
+
+
+def model_saved(shape: ModelShape, s: Setting) -> list[Saved]:
+    """What is saved once per model, outside the decoder layers: cos/sin, the final norm and
+    the loss head's per-token tensors (the fused CE's dW is per model: see `head_fixed_bytes`)."""
+    ea, k = compute_bytes(s), s.kernels
+    # cos/sin follow the position ids: one row per sequence position, or per token when packed
+    # rows carry their own; counted per token (the larger).
+    saved = [
+        Saved("input ids (the embedding's backward)", 1, 8),
+        Saved("rope: cos and sin (shared by the layers)", 2 * shape.head_dim, ea),
+    ]
+    flce = "fused_linear_cross_entropy" in k
+    saved += _norm_saved("final norm", shape, s, "rms_norm" in k, not flce)
+    if flce:  # the gradients, computed in the forward
+        saved.append(Saved("loss: fused CE dh", shape.hidden, ea))
+    elif "cross_entropy" in k:  # the logits' gradient, written over the logits
+        saved.append(Saved("loss: logits' gradient", shape.vocab, ea))
+    else:  # log_softmax keeps its fp32 output, nll_loss the targets
+        saved += [Saved("loss: fp32 log-probabilities", shape.vocab, 4), Saved("loss: targets", 1, 8)]
+    return saved
+
+
+def head_fixed_bytes(shape: ModelShape, s: Setting) -> int:
+    """The fused CE's lm_head gradient [vocab × hidden], held from the forward to the backward."""
+    if "fused_linear_cross_entropy" not in s.kernels:
+        return 0
+    return shape.vocab * shape.hidden * compute_bytes(s)
+
+
+def flce_chunk_rows(tokens: int, vocab: int, bytes_per_element: int, budget: int = FLCE_BUDGET_BYTES) -> int:
+    """Rows per chunk of the fused CE: the kernel's `chunk_rows` rule (largest count within the
+    budget, balanced over the chunks, tile-aligned where that still fits)."""
+    max_rows = max(1, budget // (vocab * bytes_per_element))
+    if max_rows >= tokens:
+        return tokens
+    chunks = math.ceil(tokens / max_rows)
+    rows = math.ceil(tokens / chunks)
+    aligned = math.ceil(rows / _FLCE_ROW_ALIGN) * _FLCE_ROW_ALIGN
+    return aligned if aligned <= max_rows else rows
+
+
+def loss_temporary_bytes(shape: ModelShape, s: Setting) -> int:
+    """What the loss head allocates on top of what it saves, at its peak."""
+    n, v, ea = s.tokens, shape.vocab, compute_bytes(s)
+    k = s.kernels
+    if "fused_linear_cross_entropy" in k:
+        rows = flce_chunk_rows(n, v, ea)
+        accumulator = shape.vocab * shape.hidden * 4 if rows < n and ea != 4 else 0
+        return rows * v * ea + accumulator
+    if "cross_entropy" in k:  # the logits (then their gradient in place) and the fp32 row stats
+        return n * 8
+    # On top of the saved fp32 log-probabilities: in the forward the logits (compute dtype) and
+    # their fp32 copy; in the backward the log-probabilities' gradient and the logits' fp32
+    # gradient, then its compute-dtype copy. Counted as two fp32 [N, V] plus one in the compute
+    # dtype: the sum the measured eager peaks of docs/benchmarks.md need (1B and 8B, within 10%).
+    return n * v * (8 + ea)
+
+
+def layer_backward_bytes(shape: ModelShape, s: Setting) -> int:
+    """Working set of one decoder layer's backward: gradients of its largest activations."""
+    ea = compute_bytes(s)
+    gated = 1 if {"swiglu", "geglu"} & s.kernels else 2  # the fused kernel overwrites gate/up
+    return s.tokens * (gated * shape.intermediate + 4 * shape.hidden) * ea
+
+
+def activation_bytes(shape: ModelShape, s: Setting) -> dict[str, int]:
+    """Saved activations on the GPU at the end of the forward, by part."""
+    n = s.tokens
+    per_layer = sum(t.bytes(n) for t in layer_saved(shape, s))
+    layer_input = n * shape.hidden * stream_bytes(s)
+    checkpointed = checkpointed_layers(shape.layers, s)
+    kept = shape.layers - checkpointed
+    parts = {}
+    if checkpointed:
+        parts[f"{checkpointed} checkpointed layers (their inputs)"] = checkpointed * layer_input
+    if kept:
+        label = f"{kept} layers × {per_layer / GIB:.2f} GiB"
+        parts[label + (" (offloaded to CPU: one on the GPU at a time)" if s.offload else "")] = (
+            per_layer if s.offload else kept * per_layer
+        )
+    parts["outside the layers (cos/sin, final norm, loss)"] = sum(t.bytes(n) for t in model_saved(shape, s))
+    fixed = head_fixed_bytes(shape, s)
+    if fixed:
+        parts["fused CE: lm_head gradient"] = fixed
+    return parts
+
+
+def layer_activation_bytes(shape: ModelShape, s: Setting) -> int:
+    return sum(t.bytes(s.tokens) for t in layer_saved(shape, s))
+
+
+# --------------------------------------------------------------------------------------------
+# Model states and the strategies
+# --------------------------------------------------------------------------------------------
+
+
+def state_bytes(shape: ModelShape, s: Setting) -> tuple[dict[str, int], int]:
+    """Persistent model states per GPU, and the gradients' bytes (counted where they exist)."""
+    w, p, t = s.world_size, shape.params, shape.trainable
+    ew = weight_bytes(s)
+    lora = shape.lora_params > 0
+    states: dict[str, int] = {}
+    if s.strategy == "fsdp":
+        on_gpu = 0 if s.fsdp_cpu_offload else 1
+        states["weights (sharded)"] = on_gpu * p * ew // w
+        states["AdamW moments (sharded)"] = on_gpu * 2 * t * ew // w
+        grads = on_gpu * t * ew // w
+        gathered = 2 if s.fsdp_mixed_precision and s.precision != "fp32" else ew
+        # One layer gathered, one prefetched; the root's parameters gathered forward to backward.
+        states["FSDP2 gathered layers (current + prefetch)"] = 2 * shape.layer_params * gathered
+        states["FSDP2 gathered root (embeddings, lm_head, norm)"] = (
+            shape.embed_params + shape.head_params
+        ) * gathered
+    elif s.strategy == "deepspeed":
+        stage = s.zero_stage
+        module = 2 if s.precision != "fp32" else 4  # DeepSpeed's bf16 mode: bf16 module weights
+        states["weights" + (" (sharded)" if stage == 3 else "")] = (
+            0 if s.deepspeed_offload_params else p * module // (w if stage == 3 else 1)
+        )
+        master = 4 * t if s.precision != "fp32" else 0
+        optimizer = 0 if s.deepspeed_offload_optimizer else (master + 8 * t) // w
+        states["fp32 master weights + AdamW moments (sharded)"] = optimizer
+        grads = t * module // (1 if stage == 1 else w) + (t * 4 // w if s.precision != "fp32" else 0)
+        if stage == 3:
+            states["ZeRO-3 gathered layers (current + prefetch)"] = 2 * shape.layer_params * module
+            states["ZeRO-3 gathered embeddings and lm_head"] = (
+                shape.embed_params + shape.head_params
+            ) * module
+    else:
+        states["weights"] = p * ew
+        states["AdamW moments"] = 2 * t * ew
+        if s.precision == "bf16-mixed":
+            # autocast's bf16 copies of the weights, kept by the graph until backward frees them
+            states["autocast bf16 weight copies"] = (t if not lora else p) * 2
+        grads = t * ew
+    return states, grads
+
+
+# --------------------------------------------------------------------------------------------
+# The breakdown
+# --------------------------------------------------------------------------------------------
+
+
+def estimate(shape: ModelShape, s: Setting) -> Breakdown:
+    """The per-GPU memory of one training step in setting `s` (see the module docstring)."""
+    b = Breakdown(s)
+    b.states, grads = state_bytes(shape, s)
+    b.activations = activation_bytes(shape, s)
+    per_layer = layer_activation_bytes(shape, s)
+    recompute = per_layer if s.checkpointing != "none" or s.offload else 0
+    b.temporaries = {
+        "loss head at its peak": loss_temporary_bytes(shape, s),
+        "one layer's backward": layer_backward_bytes(shape, s),
+    }
+    if recompute:
+        b.temporaries["one layer recomputed / copied back in backward"] = recompute
+    if s.strategy == "fsdp":
+        b.temporaries["FSDP2 reduce-scatter of one layer's gradients (fp32)"] = shape.layer_params * 4
+    states = sum(b.states.values())
+    saved = sum(b.activations.values())
+    head_grad = shape.head_params * weight_bytes(s) // (s.world_size if s.strategy == "fsdp" else 1)
+    backward = b.temporaries["one layer's backward"] + recompute
+    b.moments = {
+        "loss (end of forward)": states + saved + b.temporaries["loss head at its peak"],
+        "start of backward": states + saved + head_grad + backward,
+        "end of backward": states
+        + grads
+        + backward
+        + b.temporaries.get("FSDP2 reduce-scatter of one layer's gradients (fp32)", 0),
+    }
+    b.states["gradients (at the end of backward)"] = grads
+    return b
+
+
+def relative_speed(shape: ModelShape, s: Setting) -> float:
+    """A throughput score for ordering settings (higher is faster), not a prediction of tokens/s.
+
+    Work per token is 6 FLOPs per parameter (forward + backward); a checkpointed layer adds a
+    second forward (2 per parameter). Offload adds PCIe traffic, counted as a 25% slowdown of the
+    offloaded layers. A larger micro-batch amortises the per-step costs (optimizer, gathers,
+    launches), modelled as a fixed cost equal to 2048 tokens' work."""
+    recompute = s.checkpointed_layers_fraction * 2 / 6
+    offload = 0.25 * (1 - s.checkpointed_layers_fraction) if s.offload else 0.0
+    amortised = s.tokens / (s.tokens + 2048)
+    return amortised / (1 + recompute + offload)
