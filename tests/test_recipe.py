@@ -15,6 +15,7 @@ from ligertune.config import (
     apply_overrides,
     load_recipe,
     machine_problems,
+    recipe_to_yaml,
     validate_recipe,
 )
 from ligertune.patching.registry import KERNEL_NAMES
@@ -181,3 +182,12 @@ def test_train_runs_the_model_rules_before_any_work():
     recipe = validate_recipe(raw, base_dir=BROKEN)  # the recipe rules do not import transformers
     problems = machine_problems(recipe)
     assert any(p.startswith("model.config.model_type: model_type 'not_a_model' is not one") for p in problems)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_a_saved_recipe_reads_back_as_the_same_recipe(path):
+    """Checkpoints keep `recipe_to_yaml(recipe)`, every key written out; resume and `generate`
+    read it back. A rule that looks at which keys were written would refuse it."""
+    recipe = load_recipe(path)
+    again = validate_recipe(yaml.safe_load(recipe_to_yaml(recipe)), base_dir=path.parent)
+    assert again.model_dump() == recipe.model_dump()

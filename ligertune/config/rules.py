@@ -351,7 +351,9 @@ def _memory_auto(recipe: Recipe) -> list[str]:
             "training.micro_batch_size=auto"
         )
     selective = training.activation_checkpointing in ("selective", "auto")
-    if "activation_checkpointing_every" in training.model_fields_set and not selective:
+    default_every = type(training).model_fields["activation_checkpointing_every"].default
+    # Compared with the default, not "was it written": a saved recipe.yaml writes every key.
+    if training.activation_checkpointing_every != default_every and not selective:
         problems.append(
             "training.activation_checkpointing_every: used only with training.activation_checkpointing=selective"
         )

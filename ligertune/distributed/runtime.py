@@ -34,6 +34,7 @@ every decision that leads to one (stop, save, skip) from values all ranks share.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -175,7 +176,7 @@ class Runtime:
                 ]
             )
 
-    def shutdown(self) -> None:
+    def shutdown(self, finished: bool = False) -> None:
         """Release the process group (nothing to do in one process)."""
 
     def __repr__(self) -> str:
@@ -272,8 +273,17 @@ class ProcessGroupRuntime(Runtime):
     def backward(self, loss: torch.Tensor) -> None:
         (loss * self.world_size).backward()
 
-    def shutdown(self) -> None:
+    def shutdown(self, finished: bool = False) -> None:
         if self._owns_group and dist.is_initialized():
+            # gloo's worker threads free each finished collective's tensors, which takes the GIL;
+            # tearing the group down joins those threads while holding it. Right after the last
+            # collective that is a deadlock (seen on CPU: rank 1 hung at exit, its agent at
+            # torchrun's exit barrier). A barrier, then a wait that lets go of the GIL, leaves
+            # the threads nothing to free when they are joined. Only when every rank finished:
+            # after a failure the other ranks may be in another collective, or gone.
+            if finished:
+                dist.barrier()
+                time.sleep(0.05)
             dist.destroy_process_group()
 
     # -- sharded initialisation (fsdp, ZeRO-3) -----------------------------------------------

@@ -421,11 +421,17 @@ class Trainer(TrainerSetup):
 
     # -- cleanup -----------------------------------------------------------------------------
 
-    def cleanup(self) -> None:
+    def cleanup(self, finished: bool = False) -> None:
+        """Close the metrics, release the process group and the run lock. `finished`: every rank
+        got to the end of `train` (the group may then be synchronised once more on the way out)."""
         if self.metrics is not None:
             self.metrics.close()
+        # The strategy's wrapper (DDP's reducer) holds the process group: let it go while the
+        # group is still registered, so the group is torn down by `shutdown`, not by the garbage
+        # collector wherever the wrapper happens to be freed.
+        self.model = self.optimizer = None
         if self.runtime is not None:
-            self.runtime.shutdown()
+            self.runtime.shutdown(finished)
         if self.lock is not None:
             self.lock.release()
 
@@ -434,8 +440,11 @@ def train(recipe: Recipe, *, on_step_end: Callable[[StepRecord], bool | None] | 
     """Train as the recipe says. Raises RecipeError / DataError for bad input and
     TrainingError when the run cannot go on; returns normally after a stop signal."""
     trainer = Trainer(recipe, on_step_end)
+    finished = False
     try:
         trainer.setup()
-        return trainer.train()
+        result = trainer.train()
+        finished = True
+        return result
     finally:
-        trainer.cleanup()
+        trainer.cleanup(finished)

@@ -85,11 +85,20 @@ def resolve_auto(recipe: Recipe, world_size: int, device: torch.device) -> Resol
             f"auto: {picked.setting.label()} (predicted peak {gib(picked.breakdown.peak)} of {gib(budget)}; "
             "`ligertune plan` shows the table)"
         )
+    # The resolved recipe is what checkpoints record and resumes compare: it must read back as a
+    # valid recipe, so keys that only go with `auto` are settled too.
     changes: dict = {}
     if auto_ckpt:
         changes["activation_checkpointing"] = ckpt
+        if ckpt == "selective":
+            changes["activation_checkpointing_every"] = picked.setting.every
+        else:
+            changes["activation_checkpointing_every"] = (
+                type(training).model_fields["activation_checkpointing_every"].default
+            )
     if auto_micro:
         changes["micro_batch_size"] = micro
+        changes["global_batch_size"] = None
         if per_rank is not None:
             changes["gradient_accumulation_steps"] = max(1, per_rank // micro)
     if auto_micro and per_rank is not None:
