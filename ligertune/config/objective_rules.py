@@ -6,12 +6,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ligertune.config.schema.data import PAIR_FORMATS
+
 if TYPE_CHECKING:
     from ligertune.config.schema import Recipe
 
 PAIRED = ("dpo", "orpo", "simpo")
 DATA_OF = {"dpo": "preference", "orpo": "preference", "simpo": "preference", "kto": "kto"}
-PAIR_FORMATS = ("preference", "kto")
 
 
 def _formats(recipe: Recipe) -> set[str]:
