@@ -86,10 +86,17 @@ def table(results: list[dict]) -> list[str]:
         base = by.get(other)
         return r[key] / base[key] if base and r[key] and base[key] else None
 
+    def drift(r):
+        """The largest per-step relative loss difference from eager's (the parity check)."""
+        base = by.get("eager")
+        if not base or not r["losses"] or len(base["losses"]) != len(r["losses"]):
+            return None
+        return max(abs(a - b) / abs(b) for a, b in zip(r["losses"], base["losses"], strict=True))
+
     lines = [
         "| provider | status | tok/s | tok/s/GPU | MFU | step s | peak alloc GiB | peak reserved GiB "
-        "| × eager tok/s | × Liger tok/s | × Liger memory | final loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| × eager tok/s | × Liger tok/s | × Liger memory | final loss | max Δloss vs eager |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         status = "OOM" if r["status"] == "oom" else r["status"]
@@ -99,7 +106,8 @@ def table(results: list[dict]) -> list[str]:
             f"| {_fmt(r['mfu'] and 100 * r['mfu'], '.1f', '%')} | {_fmt(r['step_time_median_s'], '.3f')} "
             f"| {_fmt(r['peak_mem_allocated_gib'], '.1f')} | {_fmt(r['peak_mem_reserved_gib'], '.1f')} "
             f"| {_fmt(ratio(r, 'eager', 'tokens_per_s'), '.2f')} | {_fmt(ratio(r, 'liger', 'tokens_per_s'), '.2f')} "
-            f"| {_fmt(ratio(r, 'liger', 'peak_mem_allocated_gib'), '.2f')} | {_fmt(loss, '.4f')} |"
+            f"| {_fmt(ratio(r, 'liger', 'peak_mem_allocated_gib'), '.2f')} | {_fmt(loss, '.4f')} "
+            f"| {_fmt(drift(r), '.2%')} |"
         )
     for r in results:
         if r["status"] != "ok" and r.get("error"):
