@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,16 +14,23 @@ from typer.testing import CliRunner
 
 from ligertune.cli import app
 from ligertune.config import load_recipe
+from ligertune.config.rules import recipe_problems
+from ligertune.config.schema.training import CHECKPOINT_MODULES
 from ligertune.patching.apply import patch_model
 from ligertune.training.memory.auto import resolve_auto
-from ligertune.training.memory.choose import base_setting
+from ligertune.training.memory.checkpointing import SUBMODULE_ATTRIBUTES, checkpoint_submodules
+from ligertune.training.memory.choose import base_setting, candidates, relative_speed
 from ligertune.training.memory.estimate import (
     GIB,
     Setting,
+    activation_bytes,
+    checkpointed_layer_saved,
     estimate,
     head_fixed_bytes,
     layer_activation_bytes,
+    layer_saved,
     model_saved,
+    recomputed_bytes,
     state_bytes,
 )
 from ligertune.training.memory.shape import model_shape, recipe_shape
@@ -102,6 +110,47 @@ def test_layer_activations_by_hand():
     assert not any("vocab" in t.name or t.per_token == V for t in model_saved(shape, ours))
 
 
+def test_submodule_checkpointing_by_hand():
+    """A layer whose attention (or MLP) is checkpointed keeps the rest of the layer and the
+    checkpoint's input, the normed hidden state in the residual stream's dtype (fp32 under
+    bf16-mixed, where the projections would have kept its bf16 copy)."""
+    shape = model_shape(tiny(2))
+    q, kv = HEADS * D, KV * D
+    for precision, e, es in (("fp32", 4, 4), ("bf16", 2, 2), ("bf16-mixed", 2, 4)):
+        norm = T * (H * es + 4)  # our kernel: x and rstd
+        out = T * H * e  # a norm's output, as the projections after it keep it
+        attention = T * (q + kv + kv + q) * e + T * HEADS * 4
+        mlp = T * I * e * 3
+        kept_input = T * H * es
+        s = Setting(
+            micro_batch_size=B,
+            seq_len=S,
+            precision=precision,
+            kernels=OURS,
+            checkpointing="selective",
+            every=1,
+            modules=("attention",),
+        )
+        assert (
+            sum(t.bytes(T) for t in checkpointed_layer_saved(shape, s)) == 2 * norm + kept_input + out + mlp
+        )
+        assert recomputed_bytes(shape, s) == out + attention
+        mlp_only = replace(s, modules=("mlp",))
+        assert (
+            sum(t.bytes(T) for t in checkpointed_layer_saved(shape, mlp_only))
+            == 2 * norm + out + attention + kept_input
+        )
+        assert recomputed_bytes(shape, mlp_only) == out + mlp
+    # Layers 0 and 2 of 3 with every 2: two partial layers and one whole, in the breakdown.
+    shape3 = model_shape(tiny(3))
+    s = Setting(B, S, kernels=OURS, checkpointing="selective", every=2, modules=("attention",))
+    parts = activation_bytes(shape3, s)
+    partial = sum(t.bytes(T) for t in checkpointed_layer_saved(shape3, s))
+    assert parts[f"2 layers recomputing attention × {partial / GIB:.2f} GiB"] == 2 * partial
+    whole = layer_activation_bytes(shape3, s)
+    assert parts[f"1 layers × {whole / GIB:.2f} GiB"] == whole
+
+
 # --------------------------------------------------------------------------------------------
 # Against what autograd saves (CPU)
 # --------------------------------------------------------------------------------------------
@@ -124,14 +173,23 @@ def saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
 
 
 @pytest.mark.parametrize(
-    "kernels, precision",
-    [("none", "fp32"), ("none", "bf16"), ("ours", "fp32")],
+    "kernels, precision, modules",
+    [
+        ("none", "fp32", ()),
+        ("none", "bf16", ()),
+        ("ours", "fp32", ()),
+        ("ours", "fp32", ("attention",)),
+        ("none", "bf16", ("mlp",)),
+    ],
+    ids=["eager-fp32", "eager-bf16", "ours-fp32", "ours-fp32-attention", "eager-bf16-mlp"],
 )
-def test_saved_activations_match_a_measurement(kernels, precision):
+def test_saved_activations_match_a_measurement(kernels, precision, modules):
     """Per-layer bytes: the 3-layer model's saved bytes minus the 2-layer one's (everything
     outside the layers cancels), within 3% of the plan's; the whole model's within 3% too.
     Kernels on run their Triton code under the CPU interpreter (conftest), so what is measured
-    is what the kernels' autograd Functions save."""
+    is what the kernels' autograd Functions save. With a checkpointed sub-module in every layer,
+    what stays saved is the checkpoint's inputs (the sub-module's own saves are replaced by
+    checkpoint placeholders, which the hooks never see)."""
     if kernels == "ours" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs the Triton interpreter (the reference path saves what eager saves)")
     dtype = torch.float32 if precision == "fp32" else torch.bfloat16
@@ -141,13 +199,22 @@ def test_saved_activations_match_a_measurement(kernels, precision):
         model = tiny(layers).to(dtype)
         if kernels == "ours":
             patch_model(model, "all")
+        if modules:
+            checkpoint_submodules(list(model.model.layers), list(modules), 1)
         model.train()
         measured[layers] = saved_bytes(model, ids)
     shape = model_shape(tiny(2))
     s = Setting(
-        micro_batch_size=B, seq_len=S, precision=precision, kernels=OURS if kernels == "ours" else frozenset()
+        micro_batch_size=B,
+        seq_len=S,
+        precision=precision,
+        kernels=OURS if kernels == "ours" else frozenset(),
+        checkpointing="selective" if modules else "none",
+        every=1,
+        modules=modules,
     )
-    per_layer = layer_activation_bytes(shape, s)
+    saved = checkpointed_layer_saved(shape, s) if modules else layer_saved(shape, s)
+    per_layer = sum(t.bytes(T) for t in saved)
     assert measured[3] - measured[2] == pytest.approx(per_layer, rel=0.03)
     total = 2 * per_layer + sum(t.bytes(T) for t in model_saved(shape, s)) + head_fixed_bytes(shape, s)
     assert measured[2] == pytest.approx(total, rel=0.03)
@@ -193,13 +260,39 @@ def test_plan_within_10_percent_of_published_peaks(recipe, overrides, world, mea
 def test_checkpointing_and_offload_lower_the_estimate():
     r = load_recipe(ROOT / "recipes" / "llama3.2-1b-alpaca-bench.yaml", [])
     shape, base = recipe_shape(r), base_setting(r, 1)
-    from dataclasses import replace
-
     peaks = [
         estimate(shape, replace(base, checkpointing=c, offload=o)).peak
         for c, o in (("none", False), ("selective", False), ("none", True), ("full", False))
     ]
     assert peaks[0] > peaks[1] > peaks[3] and peaks[0] > peaks[2]
+    # Recomputing attention in every layer: between none and full in memory, and costs less
+    # than recomputing every other layer whole.
+    attention = replace(base, checkpointing="selective", every=1, modules=("attention",))
+    assert peaks[0] > estimate(shape, attention).peak > peaks[3]
+    every_other = replace(base, checkpointing="selective", every=2)
+    assert relative_speed(shape, base) > relative_speed(shape, attention) > relative_speed(shape, every_other)
+    labels = {s.label() for s in candidates(base, (1,), ("none", "selective", "full"))}
+    assert "micro 1, checkpointing selective/1 (attention)" in labels
+    assert "micro 1, checkpointing selective/2, offload" in labels
+
+
+def test_auto_can_pick_recomputing_attention():
+    """At micro-batch 1 on 4 GPUs, 37.5 GiB leaves no room for no checkpointing (35.3 GiB
+    predicted, 8% headroom) but for attention recomputed in every layer (34.1 GiB), the
+    cheapest recompute that fits; the resolved recipe reads back as a valid one."""
+    recipe = load_recipe(
+        ROOT / "recipes" / "llama3-8b-alpaca-bench.yaml",
+        [
+            "training.micro_batch_size=1",
+            "training.activation_checkpointing=auto",
+            "training.memory_budget_gib=37.5",
+        ],
+    )
+    training = resolve_auto(recipe, 4, torch.device("cpu")).recipe.training
+    assert training.activation_checkpointing == "selective"
+    assert training.activation_checkpointing_every == 1
+    assert training.activation_checkpointing_modules == ["attention"]
+    assert recipe_problems(recipe.model_copy(update={"training": training})) == []
 
 
 runner = CliRunner()
@@ -266,6 +359,27 @@ def test_rules_for_the_new_keys():
         load_recipe(QUICKSTART, ["training.activation_checkpointing=false"]).training.activation_checkpointing
         == "none"
     )
+    modules = "training.activation_checkpointing_modules"
+    with pytest.raises(
+        RecipeError, match=rf"{modules}: \[mlp\] is used only with .*=selective \(it is none\)"
+    ):
+        load_recipe(QUICKSTART, [f"{modules}=[mlp]"])
+    with pytest.raises(RecipeError, match="auto chooses the sub-modules itself"):
+        load_recipe(QUICKSTART, [f"{modules}=[attention]", "training.activation_checkpointing=auto"])
+    with pytest.raises(RecipeError, match=rf"{modules}.0: got 'attn'; allowed: 'attention' or 'mlp'"):
+        load_recipe(QUICKSTART, [f"{modules}=[attn]", "training.activation_checkpointing=selective"])
+    with pytest.raises(RecipeError, match="name one of attention, mlp, or leave it empty"):
+        load_recipe(
+            QUICKSTART, [f"{modules}=[attention, mlp]", "training.activation_checkpointing=selective"]
+        )
+    selective = load_recipe(
+        QUICKSTART, [f"{modules}=[attention]", "training.activation_checkpointing=selective"]
+    )
+    assert selective.training.activation_checkpointing_modules == ["attention"]
+
+
+def test_recipe_module_names_are_the_ones_checkpointing_knows():
+    assert CHECKPOINT_MODULES == tuple(SUBMODULE_ATTRIBUTES)
 
 
 # --------------------------------------------------------------------------------------------

@@ -360,6 +360,21 @@ def _memory_auto(recipe: Recipe) -> list[str]:
     return problems
 
 
+@rule("training.checkpointing_modules")
+def _checkpointing_modules(recipe: Recipe) -> list[str]:
+    """training.activation_checkpointing_modules goes with activation_checkpointing selective (auto chooses its own)."""
+    training = recipe.training
+    modules = training.activation_checkpointing_modules
+    if modules and training.activation_checkpointing != "selective":
+        return [
+            f"training.activation_checkpointing_modules: [{', '.join(modules)}] is used only with "
+            f"training.activation_checkpointing=selective (it is {training.activation_checkpointing}"
+            + ("; auto chooses the sub-modules itself" if training.activation_checkpointing == "auto" else "")
+            + "); set it to selective or remove the modules"
+        ]
+    return []
+
+
 @rule("training.fp8_strategies")
 def _fp8_strategies(recipe: Recipe) -> list[str]:
     """FP8 trains with one process, DDP or FSDP2 (torchao's float8 layers are not tested under DeepSpeed)."""

@@ -3,7 +3,8 @@
 Builds the recipe's model empty (meta device: no GPU memory, no weights read), prints the per-GPU
 breakdown of the recipe's own setting (`ligertune.training.memory.estimate` explains the model
 and its assumptions), then a table over micro-batch size × activation checkpointing (none,
-selective every 2nd layer, full) × activation offload, each marked fits / does not fit on the
+selective every 2nd layer or the recipe's own selective setting, selective attention in every
+layer, full) × activation offload, each marked fits / does not fit on the
 target GPU, fastest first by the estimate's throughput order. Exit status 2 when no setting
 fits, with the cheapest change that would make it fit.
 """
@@ -94,10 +95,9 @@ def plan(recipe: Recipe, world_size: int, budget: int, console: Console) -> Plan
         table.add_column(column, justify="right" if column != "checkpointing" else "left")
     for c in rank_choices(shape, settings):
         s, fits = c.setting, c.breakdown.fits(budget)
-        ckpt = f"selective/{s.every}" if s.checkpointing == "selective" else s.checkpointing
         table.add_row(
             str(s.micro_batch_size),
-            ckpt,
+            s.checkpointing_label(),
             "yes" if s.offload else "",
             f"{c.breakdown.peak / GIB:.1f}",
             "[green]fits[/]" if fits else "[red]does not fit[/]",

@@ -34,6 +34,7 @@ from ligertune.models.attention import choose_attention, install_document_mask
 from ligertune.models.build import decoder_layers
 from ligertune.patching.apply import patch_model
 from ligertune.patching.report import PatchReport
+from ligertune.training.memory.checkpointing import checkpoint_submodules
 from ligertune.training.memory.offload import install_offload
 
 
@@ -135,34 +136,44 @@ def _fp8(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
 
 def _activation_checkpointing(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str | None]:
     """``training.activation_checkpointing`` full (every decoder layer) or selective (layers 0, k,
-    2k, ...: transformers' ``every_n_layers``), then ``training.activation_offload`` on the layers
-    left unchecked (`ligertune.training.memory.offload`). ``auto`` is resolved by the trainer's
-    setup (`ligertune.training.memory.auto`); met here unresolved, it reads as none."""
+    2k, ...): whole layers through transformers' ``every_n_layers``, or, with
+    ``activation_checkpointing_modules``, only that sub-module of each
+    (`ligertune.training.memory.checkpointing`). Then ``training.activation_offload`` on the
+    layers not checkpointed whole (`ligertune.training.memory.offload`). ``auto`` is resolved by
+    the trainer's setup (`ligertune.training.memory.auto`); met here unresolved, it reads as none."""
     training = recipe.training
     mode = training.activation_checkpointing
+    modules = training.activation_checkpointing_modules  # only with selective (a recipe rule)
     done = []
     if mode in ("full", "selective"):
-        if not model.supports_gradient_checkpointing:
-            raise RecipeError(
-                [
-                    f"training.activation_checkpointing: {type(model).__name__} does not support it; set it to none"
-                ]
-            )
         every = training.activation_checkpointing_every if mode == "selective" else 1
-        # Non-reentrant checkpointing works with inputs that need no grad, with kwargs and with
-        # torch.compile; the reentrant variant does not.
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every
-        )
         layers = decoder_layers(model)
-        checkpointed = sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers)
-        done.append(f"activation checkpointing {mode}: {checkpointed} of {len(layers)} decoder layers")
+        if modules:
+            count = checkpoint_submodules(layers, modules, every)
+            done.append(
+                f"activation checkpointing selective: {', '.join(modules)} recomputed in {count} of "
+                f"{len(layers)} decoder layers"
+            )
+        else:
+            if not model.supports_gradient_checkpointing:
+                raise RecipeError(
+                    [
+                        f"training.activation_checkpointing: {type(model).__name__} does not support it; set it to none"
+                    ]
+                )
+            # Non-reentrant checkpointing works with inputs that need no grad, with kwargs and with
+            # torch.compile; the reentrant variant does not.
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every
+            )
+            checkpointed = sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers)
+            done.append(f"activation checkpointing {mode}: {checkpointed} of {len(layers)} decoder layers")
     if training.activation_offload:
         if next(model.parameters()).device.type != "cuda":
             done.append("activation offload: nothing to offload on CPU (no-op)")
         else:
             count = install_offload(decoder_layers(model))
-            done.append(f"activation offload to pinned CPU memory: {count} decoder layers")
+            done.append(f"activation offload to pinned CPU memory on a side stream: {count} decoder layers")
     return model, "; ".join(done) if done else None
 
 

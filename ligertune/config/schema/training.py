@@ -9,6 +9,10 @@ from pydantic import Field, create_model, field_validator
 from ligertune.config.schema.base import AdamBeta, Section
 from ligertune.patching.registry import KERNEL_NAMES, KERNELS
 
+# The decoder-layer sub-modules ``activation_checkpointing_modules`` can name (the training code
+# maps them to each family's attribute: ``self_attn``, ``mlp``).
+CHECKPOINT_MODULES = ("attention", "mlp")
+
 
 class TrainingSection(Section):
     epochs: int = Field(1, gt=0, description="Passes over the training data (ignored when max_steps is set).")
@@ -54,16 +58,24 @@ class TrainingSection(Section):
     activation_checkpointing: Literal["auto", "none", "full", "selective"] | bool = Field(
         "none",
         description="Recompute decoder layers in backward (non-reentrant): full (every layer), selective "
-        "(every activation_checkpointing_every-th layer), none, or auto (the fastest that `ligertune plan` "
-        "says fits the GPU; none on CPU). true/false (older recipes) read as full/none.",
+        "(every activation_checkpointing_every-th layer, whole or only activation_checkpointing_modules), "
+        "none, or auto (the fastest that `ligertune plan` says fits the GPU; none on CPU). true/false "
+        "(older recipes) read as full/none.",
     )
     activation_checkpointing_every: int = Field(
-        2, gt=0, description="selective checkpointing: checkpoint layers 0, k, 2k, ... (k=1 is full)."
+        2, gt=0, description="selective checkpointing: checkpoint layers 0, k, 2k, ... (k=1: every layer)."
+    )
+    activation_checkpointing_modules: list[Literal[CHECKPOINT_MODULES]] = Field(
+        default_factory=list,
+        description="selective checkpointing: recompute only this sub-module, attention or mlp, of the "
+        "layers activation_checkpointing_every chooses (set it to 1 for every layer); e.g. [attention] "
+        "keeps the MLP's activations and recomputes attention. Empty: whole layers.",
     )
     activation_offload: bool = Field(
         False,
-        description="Copy what autograd saves in the (non-checkpointed) decoder layers to pinned CPU memory "
-        "and back in backward: long sequences at the cost of PCIe copies; a no-op on CPU.",
+        description="Copy what autograd saves in the decoder layers not checkpointed whole to pinned CPU "
+        "memory on a side CUDA stream, and back ahead of their backward: long sequences at the cost of "
+        "PCIe traffic (the GPU waits when the copies are slower than a layer's compute); a no-op on CPU.",
     )
     memory_budget_gib: float | None = Field(
         None,
@@ -119,6 +131,18 @@ class TrainingSection(Section):
         if value not in ("auto", "none", "full", "selective"):
             raise ValueError(
                 f"got {value!r}; allowed: 'auto', 'none', 'full' or 'selective' (true/false: full/none)"
+            )
+        return value
+
+    @field_validator("activation_checkpointing_modules")
+    @classmethod
+    def _one_sub_module(cls, value: list[str]) -> list[str]:
+        """One sub-module at most: both would recompute the whole layer but its norms, and save
+        more than checkpointing the layer whole (each sub-module keeps its own input)."""
+        if len(value) > 1:
+            raise ValueError(
+                f"got {value!r}; name one of {', '.join(CHECKPOINT_MODULES)}, or leave it empty to recompute "
+                "whole layers"
             )
         return value
 

@@ -1,2 +1,3 @@
 """GPU memory: the estimate behind ``ligertune plan`` and the ``auto`` settings (`estimate`,
-`shape`, `choose`, `auto`), and activation offload (`offload`)."""
+`shape`, `choose`, `auto`), sub-module activation checkpointing (`checkpointing`) and
+activation offload (`offload`)."""

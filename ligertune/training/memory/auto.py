@@ -65,6 +65,10 @@ def resolve_auto(recipe: Recipe, world_size: int, device: torch.device) -> Resol
     if budget is None:
         micro = 1 if auto_micro else training.micro_batch_size
         ckpt = "none" if auto_ckpt else recipe_checkpointing(recipe)
+        every, modules = (
+            training.activation_checkpointing_every,
+            list(training.activation_checkpointing_modules),
+        )
         message = "auto: no GPU memory to plan against (CPU, no training.memory_budget_gib)"
     else:
         shape = recipe_shape(recipe)
@@ -81,6 +85,7 @@ def resolve_auto(recipe: Recipe, world_size: int, device: torch.device) -> Resol
                 ]
             )
         micro, ckpt = picked.setting.micro_batch_size, picked.setting.checkpointing
+        every, modules = picked.setting.every, list(picked.setting.modules)
         message = (
             f"auto: {picked.setting.label()} (predicted peak {gib(picked.breakdown.peak)} of {gib(budget)}; "
             "`ligertune plan` shows the table)"
@@ -90,12 +95,10 @@ def resolve_auto(recipe: Recipe, world_size: int, device: torch.device) -> Resol
     changes: dict = {}
     if auto_ckpt:
         changes["activation_checkpointing"] = ckpt
-        if ckpt == "selective":
-            changes["activation_checkpointing_every"] = picked.setting.every
-        else:
-            changes["activation_checkpointing_every"] = (
-                type(training).model_fields["activation_checkpointing_every"].default
-            )
+        selective = ckpt == "selective"
+        default_every = type(training).model_fields["activation_checkpointing_every"].default
+        changes["activation_checkpointing_every"] = every if selective else default_every
+        changes["activation_checkpointing_modules"] = modules if selective else []
     if auto_micro:
         changes["micro_batch_size"] = micro
         changes["global_batch_size"] = None
@@ -123,6 +126,8 @@ def oom_suggestion(recipe: Recipe, world_size: int, budget: int) -> str:
     ]
     if s.checkpointing == "selective":
         changes.append(f"training.activation_checkpointing_every={s.every}")
+        if s.modules:
+            changes.append(f"training.activation_checkpointing_modules=[{','.join(s.modules)}]")
     if s.offload:
         changes.append("training.activation_offload=true")
     return " ".join(changes) + f" (predicted peak {gib(picked.breakdown.peak)})"

@@ -2,7 +2,8 @@
 
 `base_setting` reads what the recipe fixes (precision, strategy, kernels, sequence length);
 `candidates` varies what the plan chooses among (micro-batch size, activation checkpointing
-none / selective every 2nd layer / full, activation offload); `choose` picks the fastest
+none / selective every 2nd layer / selective attention in every layer / full, activation
+offload); `relative_speed` orders them; `choose` picks the fastest
 candidate that fits with the safety margin (`HEADROOM_FRACTION` of the GPU left free), which is
 what ``training.activation_checkpointing: auto`` and ``training.micro_batch_size: auto`` do.
 
@@ -24,8 +25,8 @@ from ligertune.training.memory.estimate import (
     Breakdown,
     ModelShape,
     Setting,
+    checkpointed_layers,
     estimate,
-    relative_speed,
 )
 
 if TYPE_CHECKING:
@@ -34,6 +35,9 @@ if TYPE_CHECKING:
 # Micro-batch sizes the plan tries (and the largest ``auto`` considers).
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 SELECTIVE_EVERY = 2  # the plan's selective candidate: every other layer checkpointed
+# The plan's other selective candidate: attention recomputed in every layer, the MLP's
+# activations kept (the cheapest recompute: attention holds a fifth of a Llama layer's weights).
+SELECTIVE_ATTENTION = (1, ("attention",))
 
 
 def recipe_checkpointing(recipe: Recipe) -> str:
@@ -60,6 +64,7 @@ def base_setting(recipe: Recipe, world_size: int) -> Setting:
         seq_len=recipe.data.max_seq_len,
         checkpointing="none" if checkpointing == "auto" else checkpointing,
         every=training.activation_checkpointing_every,
+        modules=tuple(training.activation_checkpointing_modules),
         offload=training.activation_offload,
         kernels=frozenset(recipe.kernels.enabled()),
         precision=training.precision,
@@ -91,26 +96,62 @@ def global_per_rank(recipe: Recipe, world_size: int) -> int | None:
     return None if total is None else total // world_size
 
 
+def selective_variants(base: Setting) -> list[tuple[int, tuple[str, ...]]]:
+    """(every, modules) of the selective candidates: the recipe's own when it is selective, else
+    every 2nd layer whole; and attention recomputed in every layer."""
+    own = (base.every, base.modules) if base.checkpointing == "selective" else (SELECTIVE_EVERY, ())
+    return list(dict.fromkeys([own, SELECTIVE_ATTENTION]))
+
+
 def candidates(
     base: Setting, micro_batches: tuple[int, ...], checkpointing: tuple[str, ...]
 ) -> list[Setting]:
-    """Every combination the plan's table shows: micro-batch × checkpointing × offload (offload
-    only where some layer is not checkpointed: a checkpointed layer saves little to offload)."""
+    """Every combination the plan's table shows: micro-batch × checkpointing (selective in each
+    of its `selective_variants`) × offload (offload only where some layer is not checkpointed
+    whole: a checkpointed layer saves little to offload)."""
     settings = []
     for micro in micro_batches:
         for ckpt in checkpointing:
-            for offload in (False, True):
-                if offload and ckpt == "full":
-                    continue
-                every = (
-                    base.every
-                    if ckpt == "selective" and base.checkpointing == "selective"
-                    else SELECTIVE_EVERY
-                )
-                settings.append(
-                    replace(base, micro_batch_size=micro, checkpointing=ckpt, every=every, offload=offload)
-                )
+            variants = selective_variants(base) if ckpt == "selective" else [(base.every, ())]
+            for every, modules in variants:
+                for offload in (False, True):
+                    if offload and ckpt == "full":
+                        continue
+                    settings.append(
+                        replace(
+                            base,
+                            micro_batch_size=micro,
+                            checkpointing=ckpt,
+                            every=every,
+                            modules=modules,
+                            offload=offload,
+                        )
+                    )
     return settings
+
+
+def module_params(shape: ModelShape, module: str) -> int:
+    """Weights of a decoder layer's sub-module: attention's four projections, or the gated MLP's three."""
+    if module == "attention":
+        return shape.hidden * 2 * (shape.heads + shape.kv_heads) * shape.head_dim
+    return 3 * shape.hidden * shape.intermediate
+
+
+def relative_speed(shape: ModelShape, s: Setting) -> float:
+    """A throughput score for ordering settings (higher is faster), not a prediction of tokens/s.
+
+    Work per token is 6 FLOPs per parameter (forward + backward); a checkpointed layer adds a
+    second forward (2 per parameter), of its checkpointed sub-module only when `s.modules` names
+    one (its share of the layer's parameters). Offload adds PCIe traffic, counted as a 25%
+    slowdown of the offloaded layers. A larger micro-batch amortises the per-step costs
+    (optimizer, gathers, launches), modelled as a fixed cost equal to 2048 tokens' work."""
+    checkpointed = checkpointed_layers(shape.layers, s) / shape.layers
+    share = 1.0 if s.whole_layers else sum(module_params(shape, m) for m in s.modules) / shape.layer_params
+    recompute = checkpointed * share * 2 / 6
+    offloaded = 1 - checkpointed if s.whole_layers else 1.0
+    offload = 0.25 * offloaded if s.offload else 0.0
+    amortised = s.tokens / (s.tokens + 2048)
+    return amortised / (1 + recompute + offload)
 
 
 @dataclass(frozen=True)
@@ -143,7 +184,7 @@ def cheapest_fix(shape: ModelShape, base: Setting, gpu_bytes: int) -> str:
     """What would make a recipe that fits in no setting fit: the first change, in order of how
     little it changes the training (same math first: kernels, sharding, offload; then numerics,
     data, and what is trained), whose smallest setting (micro-batch 1, full checkpointing) fits."""
-    smallest = replace(base, micro_batch_size=1, checkpointing="full", offload=False)
+    smallest = replace(base, micro_batch_size=1, checkpointing="full", modules=(), offload=False)
     more = max(2, base.world_size * 2)
     fixes: list[tuple[str, Setting, ModelShape]] = []
 

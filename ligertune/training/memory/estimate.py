@@ -16,7 +16,8 @@ The peak allocated memory of a training step is the largest of three moments:
    its gradient; fused linear cross entropy: one chunk buffer and the fp32 dW accumulator);
 2. *the start of backward*: every saved activation, the loss head's gradients, and the
    working set of one layer's backward (with checkpointing: that layer's recomputed
-   activations too);
+   activations too, the whole layer's or its checkpointed sub-module's; with offload: one
+   layer's tensors copied back ahead of their backward);
 3. *the end of backward / the optimizer step*: every gradient, the last layer's working set.
 
 Model states (weights, gradients, AdamW moments, fp32 master weights, the bf16 weight copies
@@ -39,9 +40,13 @@ hidden state feeds q, k and v) is counted once; views share their base's storage
     MLP: gate, silu(gate), up, silu(gate)·up         SwiGLU kernel: gate, up (+ the product, saved by down_proj)
     loss: fp32 log-probabilities [tokens × vocab]    fused linear CE: dh [tokens × hidden] and dW [vocab × hidden]
 
-(``kernels/*.py`` say what each autograd Function saves.) The listing is checked against a
-measurement on CPU (``tests/test_plan.py``: ``saved_tensors_hooks`` summing the unique storages
-of a tiny model's forward).
+(``kernels/*.py`` say what each autograd Function saves.) Each tensor is tagged with the
+sub-module whose operations save it (a norm's output is saved by the projections after it):
+checkpointing a sub-module (``training.activation_checkpointing_modules``) drops its tensors and
+keeps its input instead (`checkpointed_layer_saved`); checkpointing a whole layer keeps only the
+layer's input. The listing is checked against a measurement on CPU (``tests/test_plan.py``:
+``saved_tensors_hooks`` summing the unique storages of a tiny model's forward, with and without
+sub-module checkpointing).
 
 Dtypes: the *compute* dtype (matmul outputs: bf16 unless fp32) and the *stream* dtype (the
 residual stream between layers: fp32 for fp32, and for bf16-mixed where autocast alone
@@ -59,6 +64,8 @@ Assumptions (what the GPU check, ``scripts/gpu_plan_accuracy.sh``, validates)
   with several chunks and bf16 weights, its fp32 dW accumulator.
 - A layer's backward needs about the gradients of its largest activations: the MLP's gate/up
   gradients and a few hidden-sized ones (`layer_backward_bytes`).
+- Offload keeps about two layers' saved tensors on the GPU: at the loss, the last layer's (its
+  copies are still in flight); in backward, the layer in backward and the one prefetched.
 - AdamW keeps two moments in the parameters' dtype; fp32 master weights for bf16-mixed; LoRA
   trains only its adapters (frozen weights have no gradient or moments).
 - FSDP2: each decoder layer is a unit; one is gathered at a time plus one prefetched, in bf16
@@ -117,7 +124,8 @@ class Setting:
     seq_len: int
     checkpointing: str = "none"  # none | selective | full
     every: int = 2  # selective: every k-th layer is checkpointed
-    offload: bool = False  # activation offload to pinned CPU memory (non-checkpointed layers)
+    modules: tuple[str, ...] = ()  # selective: the sub-module recomputed in those layers (empty: all)
+    offload: bool = False  # activation offload to pinned CPU memory (layers not checkpointed whole)
     kernels: frozenset[str] = frozenset()
     precision: str = "bf16"  # bf16 | bf16-mixed | fp32
     strategy: str = "none"  # none | ddp | fsdp | deepspeed
@@ -135,17 +143,25 @@ class Setting:
         return self.micro_batch_size * self.seq_len
 
     @property
-    def checkpointed_layers_fraction(self) -> float:
-        return {"none": 0.0, "full": 1.0}.get(self.checkpointing, 1.0 / self.every)
+    def whole_layers(self) -> bool:
+        """Whether checkpointed layers are recomputed whole (not one sub-module of each)."""
+        return self.checkpointing == "full" or not self.modules
+
+    def checkpointing_label(self) -> str:
+        """``none``, ``full``, ``selective/k`` or ``selective/k (attention)``."""
+        if self.checkpointing != "selective":
+            return self.checkpointing
+        return f"selective/{self.every}" + (f" ({', '.join(self.modules)})" if self.modules else "")
 
     def label(self) -> str:
-        ckpt = f"selective/{self.every}" if self.checkpointing == "selective" else self.checkpointing
-        return f"micro {self.micro_batch_size}, checkpointing {ckpt}" + (", offload" if self.offload else "")
+        return f"micro {self.micro_batch_size}, checkpointing {self.checkpointing_label()}" + (
+            ", offload" if self.offload else ""
+        )
 
 
 def checkpointed_layers(layers: int, s: Setting) -> int:
-    """How many decoder layers are checkpointed: all (full), layers 0, k, 2k, ... (selective,
-    transformers' ``every_n_layers``), or none."""
+    """How many decoder layers are checkpointed (whole, or the sub-module `s.modules` names): all
+    (full), layers 0, k, 2k, ... (selective, transformers' ``every_n_layers``), or none."""
     if s.checkpointing == "full":
         return layers
     return math.ceil(layers / s.every) if s.checkpointing == "selective" else 0
@@ -153,11 +169,14 @@ def checkpointed_layers(layers: int, s: Setting) -> int:
 
 @dataclass(frozen=True)
 class Saved:
-    """One tensor autograd saves, per token: elements and bytes per element."""
+    """One tensor autograd saves, per token: elements and bytes per element, and the decoder
+    layer's sub-module whose operations save it (``attention``, ``mlp``; None: the layer's own,
+    as the norms')."""
 
     name: str
     per_token: int
     bytes_per_element: int
+    module: str | None = None
 
     def bytes(self, tokens: int) -> int:
         return tokens * self.per_token * self.bytes_per_element
@@ -215,7 +234,11 @@ def weight_bytes(s: Setting) -> int:
 # --------------------------------------------------------------------------------------------
 
 
-def _norm_saved(name: str, shape: ModelShape, s: Setting, fused: bool, output_saved: bool) -> list[Saved]:
+def _norm_saved(
+    name: str, shape: ModelShape, s: Setting, fused: bool, output_saved: bool, consumer: str | None = None
+) -> list[Saved]:
+    """A norm's saved tensors; its output when `output_saved`, as saved by the linear layers of
+    the `consumer` sub-module."""
     es, ea, h = stream_bytes(s), compute_bytes(s), shape.hidden
     if fused:  # our kernel: x and rstd (rms_norm.py `_rms_norm_setup`)
         saved = [Saved(f"{name}: input x", h, es), Saved(f"{name}: rstd", 1, 4)]
@@ -226,7 +249,7 @@ def _norm_saved(name: str, shape: ModelShape, s: Setting, fused: bool, output_sa
             Saved(f"{name}: x·rstd", h, es),
         ]
     if output_saved:  # the next linear layers keep their input (autocast: its bf16 copy)
-        saved.append(Saved(f"{name}: output (projections' input)", h, ea))
+        saved.append(Saved(f"{name}: output (projections' input)", h, ea, consumer))
     return saved
 
 
@@ -235,23 +258,42 @@ def layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
     ea, k = compute_bytes(s), s.kernels
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     kv_attn = kv if s.gqa_native else q  # repeat_kv expands k and v before sdpa
-    saved = _norm_saved("input_layernorm", shape, s, "rms_norm" in k, True)
+    saved = _norm_saved("input_layernorm", shape, s, "rms_norm" in k, True, "attention")
     # RoPE, eager or ours, saves only cos and sin (once per model): q·cos needs cos for q's
     # gradient, and cos needs none.
     saved += [
-        Saved("attention: q", q, ea),
-        Saved("attention: k", kv_attn, ea),
-        Saved("attention: v", kv_attn, ea),
-        Saved("attention: output (o_proj's input)", q, ea),
-        Saved("attention: log-sum-exp", shape.heads, 4),
+        Saved("attention: q", q, ea, "attention"),
+        Saved("attention: k", kv_attn, ea, "attention"),
+        Saved("attention: v", kv_attn, ea, "attention"),
+        Saved("attention: output (o_proj's input)", q, ea, "attention"),
+        Saved("attention: log-sum-exp", shape.heads, 4, "attention"),
     ]
-    saved += _norm_saved("post_attention_layernorm", shape, s, "rms_norm" in k, True)
+    saved += _norm_saved("post_attention_layernorm", shape, s, "rms_norm" in k, True, "mlp")
     i = shape.intermediate
-    saved += [Saved("mlp: gate", i, ea), Saved("mlp: up", i, ea)]
+    saved += [Saved("mlp: gate", i, ea, "mlp"), Saved("mlp: up", i, ea, "mlp")]
     if not ({"swiglu", "geglu"} & k):
-        saved.append(Saved("mlp: act(gate)", i, ea))
-    saved.append(Saved("mlp: act(gate)·up (down_proj's input)", i, ea))
+        saved.append(Saved("mlp: act(gate)", i, ea, "mlp"))
+    saved.append(Saved("mlp: act(gate)·up (down_proj's input)", i, ea, "mlp"))
     return saved
+
+
+def checkpointed_layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
+    """What a layer whose sub-modules `s.modules` are checkpointed saves, per token: the rest of
+    `layer_saved`, and each checkpoint's input (the normed hidden state, in the stream dtype:
+    under autocast the checkpoint keeps the norm's output, not the projections' bf16 copy)."""
+    kept = [t for t in layer_saved(shape, s) if t.module not in s.modules]
+    return kept + [
+        Saved(f"{m}: input (kept by its checkpoint)", shape.hidden, stream_bytes(s)) for m in s.modules
+    ]
+
+
+def recomputed_bytes(shape: ModelShape, s: Setting) -> int:
+    """What one checkpointed layer materialises again in backward: all it saves (whole layers),
+    or what its checkpointed sub-modules save."""
+    saved = layer_saved(shape, s)
+    if not s.whole_layers:
+        saved = [t for t in saved if t.module in s.modules]
+    return sum(t.bytes(s.tokens) for t in saved)
 
 
 def model_saved(shape: ModelShape, s: Setting) -> list[Saved]:
@@ -319,19 +361,33 @@ def layer_backward_bytes(shape: ModelShape, s: Setting) -> int:
 
 
 def activation_bytes(shape: ModelShape, s: Setting) -> dict[str, int]:
-    """Saved activations on the GPU at the end of the forward, by part."""
+    """Saved activations on the GPU at the end of the forward, by part. Offloaded layers count
+    as the largest one: the last layer's tensors are still on the GPU when the loss is computed
+    (`ligertune.training.memory.offload`)."""
     n = s.tokens
-    per_layer = sum(t.bytes(n) for t in layer_saved(shape, s))
-    layer_input = n * shape.hidden * stream_bytes(s)
     checkpointed = checkpointed_layers(shape.layers, s)
-    kept = shape.layers - checkpointed
+    plain = shape.layers - checkpointed
     parts = {}
-    if checkpointed:
-        parts[f"{checkpointed} checkpointed layers (their inputs)"] = checkpointed * layer_input
-    if kept:
-        label = f"{kept} layers × {per_layer / GIB:.2f} GiB"
-        parts[label + (" (offloaded to CPU: one on the GPU at a time)" if s.offload else "")] = (
-            per_layer if s.offload else kept * per_layer
+    kept: list[tuple[str, int]] = []  # (what, bytes per layer) of the layers that keep activations
+    if checkpointed and s.whole_layers:
+        parts[f"{checkpointed} checkpointed layers (their inputs)"] = (
+            checkpointed * n * shape.hidden * stream_bytes(s)
+        )
+    elif checkpointed:
+        each = sum(t.bytes(n) for t in checkpointed_layer_saved(shape, s))
+        kept.append(
+            (f"{checkpointed} layers recomputing {', '.join(s.modules)} × {each / GIB:.2f} GiB", each)
+        )
+        parts[kept[-1][0]] = checkpointed * each
+    if plain:
+        each = layer_activation_bytes(shape, s)
+        kept.append((f"{plain} layers × {each / GIB:.2f} GiB", each))
+        parts[kept[-1][0]] = plain * each
+    if s.offload and kept:
+        for what, _ in kept:
+            del parts[what]
+        parts[f"{' and '.join(what for what, _ in kept)} (offloaded to CPU: one on the GPU at a time)"] = max(
+            each for _, each in kept
         )
     parts["outside the layers (cos/sin, final norm, loss)"] = sum(t.bytes(n) for t in model_saved(shape, s))
     fixed = head_fixed_bytes(shape, s)
@@ -341,6 +397,7 @@ def activation_bytes(shape: ModelShape, s: Setting) -> dict[str, int]:
 
 
 def layer_activation_bytes(shape: ModelShape, s: Setting) -> int:
+    """What one decoder layer not checkpointed saves."""
     return sum(t.bytes(s.tokens) for t in layer_saved(shape, s))
 
 
@@ -401,8 +458,12 @@ def estimate(shape: ModelShape, s: Setting) -> Breakdown:
     b = Breakdown(s)
     b.states, grads = state_bytes(shape, s)
     b.activations = activation_bytes(shape, s)
-    per_layer = layer_activation_bytes(shape, s)
-    recompute = per_layer if s.checkpointing != "none" or s.offload else 0
+    # In backward, one layer's tensors come back: copied back from the CPU (the prefetch), or
+    # recomputed (a whole layer, or its checkpointed sub-module).
+    if s.offload:
+        recompute = layer_activation_bytes(shape, s)
+    else:
+        recompute = recomputed_bytes(shape, s) if s.checkpointing != "none" else 0
     b.temporaries = {
         "loss head at its peak": loss_temporary_bytes(shape, s),
         "one layer's backward": layer_backward_bytes(shape, s),
@@ -425,16 +486,3 @@ def estimate(shape: ModelShape, s: Setting) -> Breakdown:
     }
     b.states["gradients (at the end of backward)"] = grads
     return b
-
-
-def relative_speed(shape: ModelShape, s: Setting) -> float:
-    """A throughput score for ordering settings (higher is faster), not a prediction of tokens/s.
-
-    Work per token is 6 FLOPs per parameter (forward + backward); a checkpointed layer adds a
-    second forward (2 per parameter). Offload adds PCIe traffic, counted as a 25% slowdown of the
-    offloaded layers. A larger micro-batch amortises the per-step costs (optimizer, gathers,
-    launches), modelled as a fixed cost equal to 2048 tokens' work."""
-    recompute = s.checkpointed_layers_fraction * 2 / 6
-    offload = 0.25 * (1 - s.checkpointed_layers_fraction) if s.offload else 0.0
-    amortised = s.tokens / (s.tokens + 2048)
-    return amortised / (1 + recompute + offload)
