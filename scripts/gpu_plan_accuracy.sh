@@ -9,7 +9,8 @@
 #   OUT=runs/plan-accuracy bash scripts/gpu_plan_accuracy.sh            # everything
 #   OUT=runs/plan-accuracy PARTS=1b bash scripts/gpu_plan_accuracy.sh   # one GPU: the 1B lines only
 #
-# Knobs: PARTS (1b, 8b or "1b 8b"), NPROC (8B world size, default 4), STEPS (default 3), PYTHON.
+# Knobs: PARTS (1b, 8b or "1b 8b"), NPROC (8B world size, default 4), STEPS (default 3),
+# LINE_TIMEOUT_S (default 200), PYTHON.
 # Results: $OUT/accuracy.md (the table) and one run directory per line.
 set -uo pipefail
 
@@ -34,7 +35,7 @@ line() {
   local launch=()
   (( world > 1 )) && launch=(--nproc-per-node "$world")
   echo "== $name: $recipe × $world: $*"
-  timeout --signal=INT 400 "$PYTHON" -m ligertune train "$recipe" "${launch[@]}" $COMMON "output_dir=$dir" "$@" \
+  timeout --signal=INT "${LINE_TIMEOUT_S:-200}" "$PYTHON" -m ligertune train "$recipe" "${launch[@]}" $COMMON "output_dir=$dir" "$@" \
     > "$dir.log" 2>&1
   local status=$?
   printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$recipe" "$world" "$status" "$*" >> "$OUT/lines.tsv"
@@ -45,6 +46,8 @@ if [[ " $PARTS " == *" 1b "* ]]; then
   line 1b-eager-bs8 "$R1B" 1 kernels=none
   line 1b-ours-bs16-selective "$R1B" 1 training.micro_batch_size=16 training.activation_checkpointing=selective
   line 1b-ours-bs16-full "$R1B" 1 training.micro_batch_size=16 training.activation_checkpointing=full
+  line 1b-ours-bs16-attention "$R1B" 1 training.micro_batch_size=16 training.activation_checkpointing=selective \
+    training.activation_checkpointing_every=1 "training.activation_checkpointing_modules=[attention]"
   line 1b-eager-bs4-full "$R1B" 1 kernels=none training.micro_batch_size=4 training.activation_checkpointing=full
   line 1b-ours-bs8-offload "$R1B" 1 training.activation_offload=true
   line 1b-ours-seq16k "$R1B" 1 training.micro_batch_size=1 data.max_seq_len=16384
@@ -98,4 +101,4 @@ print("\n".join(table))
 print(f"{misses} line(s) off by more than 10%")
 PY
 
-"$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/test_plan.py tests/test_checkpointing.py 2>&1 | tail -15 | tee "$OUT/tests.log"
+"$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/test_plan.py tests/test_checkpointing.py tests/test_offload_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.log"
