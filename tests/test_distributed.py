@@ -76,9 +76,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def launch_worker(runs: list[list[str]], work: Path, nproc: int = 2, timeout: int = 300) -> str:
-    """Train `runs` (override lists) in one torchrun launch of `nproc` processes; returns the
-    combined output, failing the test with it when the launch fails."""
+def launch_worker(runs: list, work: Path, nproc: int = 2, timeout: int = 300, worker: str = __file__) -> str:
+    """Train `runs` (override lists, or whatever another `worker` script reads from its JSON
+    spec) in one torchrun launch of `nproc` processes; returns the combined output, failing the
+    test with it when the launch fails."""
     spec = work / f"spec-{time.monotonic_ns()}.json"
     spec.parent.mkdir(parents=True, exist_ok=True)
     spec.write_text(json.dumps(runs))
@@ -88,7 +89,7 @@ def launch_worker(runs: list[list[str]], work: Path, nproc: int = 2, timeout: in
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={nproc}",
-        __file__,
+        worker,
         str(spec),
     ]
     done = subprocess.run(command, capture_output=True, text=True, env=_env(), timeout=timeout, cwd=ROOT)
@@ -115,11 +116,14 @@ def exported_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def assert_losses_close(
-    got: dict[int, float], expected: dict[int, float], rtol: float, label: str = ""
+    got: dict[int, float], expected: dict[int, float], rtol: float, label: str = "", atol: float = 0.0
 ) -> None:
+    """Per step, within `rtol` relative or (for values that are small differences of large
+    ones, such as preference rewards) `atol` absolute."""
     assert sorted(got) == sorted(expected), (label, sorted(got), sorted(expected))
     for step, value in expected.items():
-        assert got[step] == pytest.approx(value, rel=rtol), f"{label} step {step}: {got[step]} vs {value}"
+        close = pytest.approx(value, rel=rtol, abs=atol)
+        assert got[step] == close, f"{label} step {step}: {got[step]} vs {value}"
 
 
 @pytest.fixture(scope="module")

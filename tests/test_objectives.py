@@ -78,9 +78,8 @@ def test_kto_against_trl_formula():
 
 
 def _recipe(name: str, *extra: str):
-    fmt = "kto" if name == "kto" else "preference"
     overrides = [*TINY_MODEL, *PLAIN_RUN, "training.device=cpu", "data.validation_fraction=0.0", *extra]
-    return load_recipe(ROOT / "recipes" / f"quickstart-{name}.yaml", overrides) if fmt else None
+    return load_recipe(ROOT / "recipes" / f"quickstart-{name}.yaml", overrides)
 
 
 def _setup(recipe):
@@ -91,11 +90,12 @@ def _setup(recipe):
     return trainer
 
 
-@pytest.mark.parametrize("name", ["dpo", "orpo", "simpo", "kto"])
+@pytest.mark.parametrize("name", ["dpo", "orpo", "simpo", "kto", "distill"])
 def test_fused_and_materialised_paths_agree(name, tmp_path):
-    """kernels on (per-token log-probs inside the lm_head, no logits) and off (HF logits,
-    log_softmax, gather: TRL's path) give the same loss and gradients on the same batch."""
-    results = []
+    """kernels on (per-token log-probs inside the lm_head, no logits; distill: the divergence
+    inside the student's and then the teacher's lm_head call) and off (HF logits, log_softmax,
+    gather: TRL's path) give the same loss, metrics and gradients on the same batch."""
+    results, paths = [], []
     for kernels in ("kernels.fused_linear_cross_entropy=true", "kernels=none"):
         trainer = _setup(_recipe(name, kernels, f"output_dir={tmp_path / kernels[:9]}"))
         try:
@@ -105,10 +105,13 @@ def test_fused_and_materialised_paths_agree(name, tmp_path):
             out.loss.backward()
             grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
             results.append((out.loss.detach(), {k: v.item() for k, v in out.metrics.items()}, grads))
+            paths.append(trainer.objective.fused)
         finally:
             trainer.cleanup()
     (l1, m1, g1), (l2, m2, g2) = results
-    assert trainer.objective.count(batch) == batch["input_ids"].shape[0] // 2
+    assert paths == [True, False]
+    if name != "distill":
+        assert trainer.objective.count(batch) == batch["input_ids"].shape[0] // 2
     torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-6)
     assert m1 == pytest.approx(m2, rel=1e-4, abs=1e-5)
     for a, b in zip(g1, g2, strict=True):
@@ -143,6 +146,23 @@ def test_accumulation_invariance_dpo(tmp_path):
         torch.testing.assert_close(one.metrics[k], four.metrics[k], rtol=1e-5, atol=1e-6)
     for a, c in zip(g1, g4, strict=True):
         torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-7)
+
+
+def test_frozen_reference_starts_as_the_policy(tmp_path):
+    """The frozen copy is built from the policy's section and seed and patched with the same
+    kernels, so at the start its log-probs are the policy's bit for bit: every reward is 0 and
+    the loss log 2, through the fused lm_head of both models."""
+    trainer = _setup(_recipe("dpo", f"output_dir={tmp_path}", "kernels.fused_linear_cross_entropy=true"))
+    try:
+        reference = trainer.objective.reference
+        assert reference.kind == "frozen" and reference.fused and trainer.objective.fused
+        assert not any(p.requires_grad for p in reference.model.parameters()) and not reference.model.training
+        batch = next(trainer.loader.iter_epoch(0))
+        out = trainer.objective(trainer.model, batch, torch.tensor(trainer.objective.count(batch)))
+        assert out.metrics["rewards_chosen"].item() == 0.0 and out.metrics["rewards_rejected"].item() == 0.0
+        assert out.loss.item() == pytest.approx(math.log(2), rel=1e-6)
+    finally:
+        trainer.cleanup()
 
 
 def test_lora_reference_is_the_policy_with_adapters_off(tmp_path):
@@ -202,7 +222,6 @@ def test_build_objective_defaults_to_sft():
     [
         (["objective.name=sft"], "needs a preference objective"),
         (["data.packing=true"], "data.packing"),
-        (["parallel.strategy=fsdp"], "not supported yet"),
         (["objective.reference=precomputed", "objective.name=orpo"], "uses no reference"),
     ],
 )

@@ -1,6 +1,7 @@
 """The rules of the ``objective`` section (registered in `ligertune.config.rules`, which lists
-them with the others): which data each objective trains on, what its reference or teacher
-needs, and what the parallel strategies do not support yet."""
+them with the others): which data each objective trains on and what its reference or teacher
+needs. Every objective runs under every parallel strategy (a frozen reference or teacher is
+placed like the policy, `ligertune.objectives.reference.build_frozen`), so none is refused here."""
 
 from __future__ import annotations
 
@@ -103,21 +104,9 @@ def teacher_fits(recipe: Recipe) -> list[str]:
     return []
 
 
-def objective_strategy(recipe: Recipe) -> list[str]:
-    """Preference and distillation objectives run on one device or DDP; FSDP and DeepSpeed not yet."""
-    strategy = recipe.parallel.strategy
-    if recipe.objective.name != "sft" and strategy in ("fsdp", "deepspeed"):
-        return [
-            f"parallel.strategy: {strategy} with objective {recipe.objective.name} is not supported yet (the frozen "
-            "reference/teacher is not sharded and the lm_head hook is untested under sharding); use ddp or none"
-        ]
-    return []
-
-
 OBJECTIVE_RULES = [
     ("objective.fits_data", objective_fits_data),
     ("objective.pairs_unpacked", pairs_unpacked),
     ("objective.reference", reference_fits),
     ("objective.teacher", teacher_fits),
-    ("objective.strategy", objective_strategy),
 ]

@@ -135,6 +135,28 @@ class DeepSpeedRuntime(ProcessGroupRuntime):
         # param_groups (lr included), over the flat fp32 partitions it put there.
         return self.engine, optimizer
 
+    def wrap_frozen(self, model, recipe):
+        """ZeRO-3: an inference engine, ``deepspeed.initialize`` without an optimizer, over the
+        model `build_model` made (inside ``zero.Init`` with sharded init, like the policy, so no
+        rank ever holds it whole; else whole, and partitioned here). The partitions alone would
+        not do: ``zero.Init`` leaves empty placeholders, and it is the engine (its
+        ``DeepSpeedZeRoOffload``, what ZeRO-3 builds when it has no optimizer) that installs the
+        hooks gathering each module's weights around its forward, the lm_head's included, as
+        for the policy. It is also how practitioners run a ZeRO-3 reference model (TRL's
+        ``prepare_deepspeed``). Its config is the policy's (precision, parameter offload, the
+        user's JSON: bucket sizes and persistence thresholds apply to both) without the
+        optimizer offload, as there is no optimizer. Stages 1 and 2 shard the optimizer state
+        and gradients only, which a frozen model has none of: a plain replica, as under DDP."""
+        if self.options.zero_stage != 3:
+            return super().wrap_frozen(model, recipe)
+        import deepspeed
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        config = copy.deepcopy(self.config)
+        config["zero_optimization"].pop("offload_optimizer", None)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
+        return engine
+
     def _optimizer_by_full_shapes(self, model, make_optimizer):
         """The optimizer `make_optimizer` builds, over a model whose parameters zero.Init has
         already replaced by empty placeholders. The optimizer's parameter groups may depend on

@@ -86,28 +86,42 @@ class FSDPRuntime(ProcessGroupRuntime):
         return build_model(recipe, self.device, empty=True)
 
     def wrap(self, model, make_optimizer):
+        model = self._shard(model, self.recipe, self._shard_options())
+        return model, make_optimizer(model, self.param_device)
+
+    def wrap_frozen(self, model, recipe):
+        """The policy's layout (each decoder layer, then the root; the same mixed precision and
+        offload; filled from rank 0 when built empty), so a reference or teacher costs each rank
+        1/N of its weights. Always resharded after forward, whatever
+        ``parallel.fsdp.reshard_after_forward`` says: keeping the gathered weights for backward
+        is the point of turning it off, and a frozen model has no backward, so they would stay
+        gathered for good."""
+        return self._shard(model, recipe, {**self._shard_options(), "reshard_after_forward": True})
+
+    def _shard(self, model: nn.Module, recipe: Recipe, options: dict[str, Any]) -> nn.Module:
+        """``fully_shard`` on every decoder layer and then the root; a model built empty (sharded
+        init) gets its shards filled from rank 0's build of `recipe`. *Collective.*"""
         from torch.distributed.fsdp import fully_shard
 
         empty = any(p.is_meta for p in model.parameters())
         if not empty:
             model = model.to(self.device)
-        options = self._shard_options()
         for layer in decoder_layers(model):
             fully_shard(layer, **options)
         fully_shard(model, **options)
         if empty:
-            self._fill_shards(model)
-        return model, make_optimizer(model, self.param_device)
+            self._fill_shards(model, recipe)
+        return model
 
     # -- sharded initialisation -----------------------------------------------------------
 
-    def _fill_shards(self, model: nn.Module) -> None:
-        """Allocate this rank's shards of the sharded meta model and fill them with rank 0's
-        weights. *Collective.*"""
+    def _fill_shards(self, model: nn.Module, recipe: Recipe) -> None:
+        """Allocate this rank's shards of the sharded meta model and fill them with the weights
+        of rank 0's plain build of `recipe`. *Collective.*"""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         model.to_empty(device=self.device)  # this rank's shards and the (unsharded) buffers
-        source = self.whole_model_on_rank0(self.recipe, model) if self.is_main else None
+        source = self.whole_model_on_rank0(recipe, model) if self.is_main else None
         full_state = source.state_dict() if source is not None else {}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
         set_model_state_dict(model, full_state, options=options)

@@ -2,7 +2,8 @@
 
 The loop in `ligertune.training` never asks which strategy is running: it talks to a `Runtime`,
 which knows the process's place in the job (rank, world size, device) and does the few things
-that differ between strategies — wrapping the model and building the optimizer, backward,
+that differ between strategies — wrapping the model and building the optimizer, placing the
+frozen models of the preference and distillation objectives (reference, teacher), backward,
 gradient clipping and the optimizer step, collective sums, checkpoint state and the full
 state dict of the final export. `ligertune.distributed.create_runtime` picks the class from ``parallel.strategy``:
 
@@ -101,9 +102,10 @@ class Runtime:
     # -- model and optimisation ----------------------------------------------------------
 
     def build_model(self, recipe: Recipe) -> nn.Module:
-        """The model the transforms and then `wrap` get. Here it is built whole, its weights on
-        this process's device; a strategy with `sharded_init` returns it on the meta device
-        instead and materialises only its shards in `wrap`."""
+        """The model the transforms and then `wrap` get (or `wrap_frozen`, for a frozen model's
+        recipe). Here it is built whole, its weights on this process's device; a strategy with
+        `sharded_init` returns it on the meta device instead and materialises only its shards
+        in `wrap`."""
         return build_model(recipe, self.device)
 
     def wrap(
@@ -115,6 +117,15 @@ class Runtime:
         and checkpoint-wrapped (`ligertune.training.transforms`)."""
         model = model.to(self.device)
         return model, make_optimizer(model, self.param_device)
+
+    def wrap_frozen(self, model: nn.Module, recipe: Recipe) -> nn.Module:
+        """Place a model that only runs forward (a DPO/KTO reference, a distillation teacher:
+        no gradients, no optimizer) the way this strategy places the policy, and return what to
+        call. `model` comes from `build_model` of `recipe` (the frozen model's own section),
+        already patched and frozen. Here, and under DDP, a plain replica on this device: DDP's
+        wrapper exists to all-reduce gradients, which a frozen model has none of. The sharded
+        strategies shard it as they shard the policy. *Collective* for them."""
+        return model.to(self.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The Hugging Face model inside whatever `wrap` returned."""

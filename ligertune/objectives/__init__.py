@@ -4,16 +4,16 @@
 ``dpo`` (with IPO and hinge variants), ``orpo``, ``simpo`` (`pairs` and one module each) train
 on pairs of responses, ``kto`` on unpaired desirable/undesirable examples, and ``distill``
 (`distill`) on a frozen teacher's distribution; `logps` computes sequence log-probs without the
-[tokens × vocab] logits, `reference` provides the reference model's. Adding an objective is one
-module here with a class following `Objective`, an entry in `OBJECTIVES`, and its tests
-(docs/architecture.md walks through one).
+[tokens × vocab] logits, `reference` provides the reference model's and builds the frozen
+models (reference, teacher), which the parallel strategy places like the policy (a replica, or
+sharded under FSDP2 and ZeRO-3). Adding an objective is one module here with a class following
+`Objective`, an entry in `OBJECTIVES`, and its tests (docs/architecture.md walks through one).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
 from ligertune.errors import RecipeError
@@ -24,7 +24,7 @@ from ligertune.objectives.dpo import DPO
 from ligertune.objectives.kto import KTO
 from ligertune.objectives.logps import lm_head_is_fused
 from ligertune.objectives.orpo import ORPO
-from ligertune.objectives.reference import build_frozen, build_reference
+from ligertune.objectives.reference import Placement, build_frozen, build_reference
 from ligertune.objectives.simpo import SimPO
 
 if TYPE_CHECKING:
@@ -46,11 +46,12 @@ def build_objective(
     *,
     recipe: Recipe | None = None,
     policy: nn.Module | None = None,
-    device: torch.device | None = None,
+    runtime: Placement | None = None,
 ) -> Objective:
-    """The objective a recipe's ``objective`` section names. `policy` is the trained model
-    before the strategy wraps it (a peft model with LoRA: its reference is the adapters-off
-    policy); `recipe` and `device` build a frozen reference or teacher."""
+    """The objective a recipe's ``objective`` section names. `policy` is the trained model (a
+    peft model with LoRA: its reference is the adapters-off policy), the one the strategy
+    wrapped, not the wrapper; `recipe` and `runtime` (the strategy's, `ligertune.distributed`)
+    build and place a frozen reference or teacher (`build_frozen`)."""
     if isinstance(objective, str):
         if objective != "sft":
             raise ValueError(
@@ -62,9 +63,9 @@ def build_objective(
         return CausalLM()
     fused = policy is not None and lm_head_is_fused(policy)
     if name == "distill":
-        teacher = build_frozen(recipe, objective.teacher, device)
-        student_vocab = policy.get_output_embeddings().weight.shape[0] if policy is not None else None
-        teacher_vocab = teacher.get_output_embeddings().weight.shape[0]
+        teacher = build_frozen(recipe, objective.teacher, runtime)
+        student_vocab = _vocabulary(policy) if policy is not None else None
+        teacher_vocab = _vocabulary(teacher)
         if student_vocab is not None and student_vocab != teacher_vocab:
             raise RecipeError(
                 [
@@ -73,8 +74,8 @@ def build_objective(
                 ]
             )
         options = {k: getattr(objective, k) for k in ("divergence", "temperature", "jsd_beta", "ce_weight")}
-        return Distill(teacher, fused, **options)
-    reference = build_reference(objective.reference_kind, recipe, policy, device, fused)
+        return Distill(teacher, fused and lm_head_is_fused(teacher), **options)
+    reference = build_reference(objective.reference_kind, recipe, policy, runtime, fused)
     options = {
         "dpo": ("loss_type", "label_smoothing"),
         "simpo": ("gamma_beta_ratio", "label_smoothing"),
@@ -83,6 +84,12 @@ def build_objective(
     return OBJECTIVES[name](
         objective.strength, reference, fused, **{k: getattr(objective, k) for k in options}
     )
+
+
+def _vocabulary(model: nn.Module) -> int:
+    """The rows of a causal LM's lm_head, read from the module (``out_features``), not from its
+    weight, whose shape a sharded strategy has changed (ZeRO-3 leaves an empty placeholder)."""
+    return model.get_output_embeddings().out_features
 
 
 __all__ = ["OBJECTIVES", "Batch", "Objective", "ObjectiveOutput", "build_objective"]

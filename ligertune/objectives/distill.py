@@ -14,10 +14,21 @@ p = softmax(z_T / T), q = softmax(z_S / T):
 
 α = ``ce_weight``, T = ``temperature``, β = ``jsd_beta``. Items are label tokens, as for SFT,
 so the loss is Σ_t ℓ_t / N. This is supervised (off-policy) KD on the dataset's responses;
-GKD's on-policy sampling is not done here. The fused path computes ℓ chunk by chunk inside the
-student's lm_head call from both models' hidden states (`fused_linear_distillation`): neither
-model's [tokens × vocab] logits exist for the batch. Metrics: ``ce`` and ``kl`` (the divergence
-D, whichever is chosen), per label token.
+GKD's on-policy sampling is not done here. Metrics: ``ce`` and ``kl`` (the divergence D,
+whichever is chosen), per label token.
+
+The fused path computes ℓ chunk by chunk from both models' final hidden states and lm_head
+weights (`fused_linear_distillation`): neither model's [tokens × vocab] logits exist for the
+batch. It needs both lm_head weights whole at once, which under FSDP2 and ZeRO-3 exist only
+inside each lm_head's own module call (its hooks gather the weight before and free it after).
+So the calls are nested: the student's forward runs its lm_head with a loss function that runs
+the teacher's forward (no gradients) with a loss function that, inside the teacher's lm_head
+call, computes the loss from the student's hidden states and weight (still gathered: the
+student's lm_head call has not returned) and the teacher's. The loss leaves through a closure,
+not through the teacher's outputs, so the teacher's wrapper never sees a tensor that needs
+gradients. The price under sharding: the student's gathered lm_head (FSDP2: its whole root
+unit) stays gathered while the teacher's forward runs. The materialised path (kernels off)
+runs the two HF forwards one after the other and compares their logits.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from torch import nn
 from ligertune.kernels.fused_linear_logprobs import distillation_token_losses, fused_linear_distillation
 from ligertune.objectives.base import Batch, ObjectiveOutput
 from ligertune.objectives.causal_lm import count_label_tokens
-from ligertune.objectives.logps import frozen_hidden, head_of, model_inputs, shifted_targets
+from ligertune.objectives.logps import model_inputs, shifted_targets
 from ligertune.patching.losses import LM_HEAD_LOSS_FN
 
 
@@ -36,48 +47,55 @@ class Distill:
     name = "distill"
 
     def __init__(self, teacher: nn.Module, fused: bool, **options):
+        """`teacher`: the frozen teacher as the strategy placed it (`build_frozen`); `fused`:
+        whether both lm_heads run our fused kernel."""
         self.teacher, self.fused, self.options = teacher, fused, options
 
     def count(self, batch: Batch) -> int:
         return count_label_tokens(batch["labels"])
 
     def __call__(self, model: nn.Module, batch: Batch, num_items: torch.Tensor) -> ObjectiveOutput:
-        with torch.no_grad():
-            teacher_hidden = frozen_hidden(self.teacher, batch)
-        teacher_hidden = teacher_hidden.reshape(-1, teacher_hidden.shape[-1])
-        weight, bias, softcap = head_of(self.teacher)
-        labels = batch["labels"]
-        if self.fused:
-            terms = {}
+        if not self.fused:
+            return self._materialised(model, batch, num_items)
+        labels, terms = batch["labels"], {}
+        grad = torch.is_grad_enabled()  # training or evaluation: the student's loss follows it
 
-            def loss_fn(
-                hidden, student_weight, target, student_bias=None, *, ignore_index, softcap=None, **_
-            ):
-                loss, terms["ce"], terms["kl"] = fused_linear_distillation(
-                    hidden,
-                    student_weight,
-                    teacher_hidden,
-                    weight,
-                    target,
-                    student_bias,
-                    bias,
-                    ignore_index=ignore_index,
-                    softcap=softcap,
-                    num_items=num_items,
-                    **self.options,
-                )
-                return loss
+        def student_head(
+            hidden, student_weight, target, student_bias=None, *, ignore_index, softcap=None, **_
+        ):
+            def teacher_head(teacher_hidden, teacher_weight, _target, teacher_bias=None, **_):
+                with torch.set_grad_enabled(grad):
+                    terms["loss"], terms["ce"], terms["kl"] = fused_linear_distillation(
+                        hidden,
+                        student_weight,
+                        teacher_hidden,
+                        teacher_weight,
+                        target,
+                        student_bias,
+                        teacher_bias,
+                        ignore_index=ignore_index,
+                        softcap=softcap,
+                        num_items=num_items,
+                        **self.options,
+                    )
+                return terms["loss"].detach()
 
-            loss = model(**model_inputs(batch), labels=labels, **{LM_HEAD_LOSS_FN: loss_fn}).loss
-            return ObjectiveOutput(loss, {"ce": terms["ce"].float(), "kl": terms["kl"].float()})
+            with torch.no_grad():
+                self.teacher(**model_inputs(batch), labels=labels, **{LM_HEAD_LOSS_FN: teacher_head})
+            return terms["loss"]
+
+        loss = model(**model_inputs(batch), labels=labels, **{LM_HEAD_LOSS_FN: student_head}).loss
+        return ObjectiveOutput(loss, {"ce": terms["ce"].float(), "kl": terms["kl"].float()})
+
+    def _materialised(self, model: nn.Module, batch: Batch, num_items: torch.Tensor) -> ObjectiveOutput:
         student = model(**model_inputs(batch)).logits
         with torch.no_grad():
-            teacher = nn.functional.linear(teacher_hidden, weight, bias)
+            teacher = self.teacher(**model_inputs(batch)).logits
         losses, ce, div = distillation_token_losses(
             student.reshape(-1, student.shape[-1]),
-            teacher,
-            shifted_targets(labels).reshape(-1),
-            softcap=None,  # the HF forward applied the student's softcap to its logits already
+            teacher.reshape(-1, teacher.shape[-1]),
+            shifted_targets(batch["labels"]).reshape(-1),
+            softcap=None,  # each HF forward applied its model's final-logit softcap already
             **self.options,
         )
         n = num_items.to(losses.dtype)

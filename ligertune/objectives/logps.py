@@ -3,7 +3,7 @@ models (reference, teacher), for the preference and distillation objectives.
 
     log π(y | x) = Σ_t log softmax(z_t)[y_t+1]     over the sequence's label tokens (labels ≠ −100)
 
-Two paths for the policy, chosen once when the objective is built:
+Two paths, chosen once per model when the objective is built:
 
 - *fused* (``kernels.fused_linear_cross_entropy`` patched in, the default): the model's forward
   gets ``lm_head_loss_fn`` (`ligertune.patching.losses.LM_HEAD_LOSS_FN`), so the lm_head module
@@ -13,8 +13,10 @@ Two paths for the policy, chosen once when the objective is built:
 - *materialised* (kernels off, or an lm_head the kernel cannot compute): the HF forward's
   logits, ``log_softmax`` in fp32 and a gather: what TRL computes.
 
-Frozen models are never wrapped (no DDP, no sharding: a recipe rule refuses FSDP/DeepSpeed), so
-their base model and lm_head are called directly under ``no_grad``, through the same kernel.
+Frozen models take the same two paths through their own forward: they are patched with the
+recipe's kernels and placed by the strategy like the policy (a plain replica, or sharded under
+FSDP2 and ZeRO-3, see `ligertune.objectives.reference.build_frozen`), so their lm_head weight is
+gathered by the same hooks around the same module call; only the gradients are missing.
 """
 
 from __future__ import annotations
@@ -72,27 +74,3 @@ def sequence_logps(model: nn.Module, batch: Batch, fused: bool) -> tuple[torch.T
     else:
         token = logps_from_logits(model(**model_inputs(batch)).logits, target)
     return token.sum(-1), (target != IGNORE_INDEX).sum(-1)
-
-
-def frozen_hidden(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """The final hidden states [R, S, H] of an unwrapped causal LM (its base model's output)."""
-    base = getattr(model, model.base_model_prefix)
-    return base(**model_inputs(batch), use_cache=False).last_hidden_state
-
-
-def head_of(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
-    """(weight, bias, final-logit softcap) of an unwrapped causal LM's lm_head."""
-    head = model.get_output_embeddings()
-    return head.weight, head.bias, getattr(model.config, "final_logit_softcapping", None)
-
-
-@torch.no_grad()
-def frozen_logps(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Σ log-probs [R] of every row under a frozen, unwrapped causal LM, chunked."""
-    hidden = frozen_hidden(model, batch)
-    weight, bias, softcap = head_of(model)
-    target = shifted_targets(batch["labels"])
-    token = fused_linear_logprobs(
-        hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), bias, softcap=softcap
-    )
-    return token.view(target.shape).sum(-1)

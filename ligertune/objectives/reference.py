@@ -1,10 +1,10 @@
-"""Where a preference objective's reference log-probs come from (``objective.reference``).
+"""Where a preference objective's reference log-probs come from (``objective.reference``), and how
+frozen models (that reference, a distillation teacher) are built.
 
 - ``frozen``: a frozen copy of the starting model (``objective.reference_model``, default the
-  recipe's model section), built by `ligertune.models.build.build_model`, in eval mode, without
-  gradients, on the training device. With LoRA there is no copy: the reference is the policy
-  with its adapters switched off (peft's ``disable_adapter()``), which *is* the starting model,
-  run through the policy's own forward under ``no_grad``.
+  recipe's model section), built by `build_frozen`. With LoRA there is no copy: the reference is
+  the policy with its adapters switched off (peft's ``disable_adapter()``), which *is* the
+  starting model, run through the policy's own (wrapped) forward under ``no_grad``.
 - ``precomputed``: the data's columns (``ref_chosen_logps``/``ref_rejected_logps``, KTO
   ``ref_logps``/``ref_kl_logps``), computed offline on the same tokenisation and truncation.
 - ``none``: reference-free (log π_ref = 0), e.g. DPO without a reference.
@@ -12,39 +12,68 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
 from ligertune.errors import DataError, RecipeError
 from ligertune.lora import is_adapted
-from ligertune.models.build import build_model
 from ligertune.objectives.base import Batch
-from ligertune.objectives.logps import frozen_logps, sequence_logps
+from ligertune.objectives.logps import lm_head_is_fused, sequence_logps
+from ligertune.patching import patch_model
 
 if TYPE_CHECKING:
     from ligertune.config import Recipe
     from ligertune.config.schema import ModelSection
 
 
-def build_frozen(recipe: Recipe, section: ModelSection, device: torch.device) -> nn.Module:
-    """A frozen model from a model section, with the recipe's precision and seed: eval mode, no
-    parameter requiring grad, on `device`. A random-init section equal to the policy's builds
-    the policy's starting weights (same seed)."""
-    model = build_model(recipe.model_copy(update={"model": section}), device)
-    model.eval()
+class Placement(Protocol):
+    """What building a frozen model asks of the parallel strategy: `ligertune.distributed.Runtime`
+    (a layer above this one, so named here by the two methods used)."""
+
+    def build_model(self, recipe: Recipe) -> nn.Module: ...
+
+    def wrap_frozen(self, model: nn.Module, recipe: Recipe) -> nn.Module: ...
+
+
+def build_frozen(recipe: Recipe | None, section: ModelSection, runtime: Placement | None) -> nn.Module:
+    """A frozen model from a model section (a reference or a teacher), with the recipe's
+    precision, seed and kernels, built and placed by the strategy as it builds and places the
+    policy: whole on the device (none, ddp, deepspeed stages 1-2); empty on the meta device,
+    sharded per decoder layer and root and filled from rank 0 (fsdp with sharded init); inside
+    ``zero.Init``, then a ZeRO-3 inference engine (deepspeed stage 3). No parameter requires grad, no optimizer holds them,
+    and it is in eval mode. Returns what to call (under ZeRO-3 the engine).
+
+    The kernels are the policy's so that the frozen model computes the policy's numbers: a
+    reference equal to the starting model gives exactly the policy's log-probs at step 0 (every
+    reward 0). And the fused linear cross entropy's forward is what lets its lm_head compute
+    log-probs inside its own module call, where FSDP2 and ZeRO-3 gather the weight
+    (`ligertune.objectives.logps`). A random-init section equal to the policy's builds the
+    policy's starting weights (same seed)."""
+    if recipe is None or runtime is None:
+        raise RecipeError(
+            ["objective: a frozen reference or teacher needs the recipe and the runtime to build it"]
+        )
+    frozen = recipe.model_copy(update={"model": section})
+    model = runtime.build_model(frozen)
+    patch_model(model, recipe.kernels)
     model.requires_grad_(False)
+    model = runtime.wrap_frozen(model, frozen)
+    model.eval()
     return model
 
 
 class Reference:
-    """``logps(policy, batch)``: the reference's Σ log-probs per row [R], without gradients."""
+    """``logps(policy, batch)``: the reference's Σ log-probs per row [R], without gradients. A
+    frozen `model` takes the fused path when its own lm_head can (its patched kernels decide);
+    ``adapters_off`` runs the policy, so `fused` is the policy's."""
 
     def __init__(
         self, kind: str, *, model: nn.Module | None = None, adapted: nn.Module | None = None, fused=False
     ):
-        self.kind, self.model, self.adapted, self.fused = kind, model, adapted, fused
+        self.kind, self.model, self.adapted = kind, model, adapted
+        self.fused = lm_head_is_fused(model) if model is not None else fused
 
     def check(self, batch: Batch) -> None:
         """Host-side, before the forward: precomputed log-probs must be in the data."""
@@ -63,19 +92,16 @@ class Reference:
         if self.kind == "adapters_off":
             with self.adapted.disable_adapter(), torch.no_grad():
                 return sequence_logps(policy, batch, self.fused)[0]
-        return frozen_logps(self.model, batch)
+        with torch.no_grad():
+            return sequence_logps(self.model, batch, self.fused)[0]
 
 
 def build_reference(
-    kind: str, recipe: Recipe | None, policy: nn.Module | None, device, fused: bool
+    kind: str, recipe: Recipe | None, policy: nn.Module | None, runtime: Placement | None, fused: bool
 ) -> Reference:
     if kind != "frozen":
         return Reference(kind)
     if policy is not None and is_adapted(policy):
         return Reference("adapters_off", adapted=policy, fused=fused)
-    if recipe is None or device is None:
-        raise RecipeError(
-            ["objective.reference: frozen needs the recipe and device to build the reference model"]
-        )
-    section = recipe.objective.reference_model or recipe.model
-    return Reference("frozen", model=build_frozen(recipe, section, device))
+    section = None if recipe is None else recipe.objective.reference_model or recipe.model
+    return Reference("frozen", model=build_frozen(recipe, section, runtime))

@@ -94,8 +94,9 @@ class TrainerSetup:
         )
         self.scheduler = build_scheduler(self.optimizer, training, self.total_steps)
         self.autocast = partial(autocast_for, training.precision, self.device)
+        # A frozen reference or teacher is built and placed by the runtime like the policy.
         self.objective = build_objective(
-            recipe.objective, recipe=recipe, policy=self.hf_model, device=self.device
+            recipe.objective, recipe=recipe, policy=self.hf_model, runtime=runtime
         )
 
     def _setup_resume(self) -> None:
