@@ -516,6 +516,12 @@ CASES = [
         files={"latin1.yaml": "name: caf\udce9\n"},
     ),
     Case(
+        "every_sample_dropped",
+        "no training samples left: all 400 have no trainable token within data.max_seq_len=8",
+        BASE.replace("data:\n", "data:\n  max_seq_len: 8\n", 1) + "training:\n  precision: fp32\n",
+        ("train", "{recipe}"),
+    ),
+    Case(
         "train_bad_type",
         "training.lr: got True; input should be a valid number",
         _training("lr: true"),

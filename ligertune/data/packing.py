@@ -155,7 +155,7 @@ def layout_rows(
 ) -> SequenceDataset:
     """`build_rows` on samples stored flat (sample i is ``ids[starts[i]:starts[i] + lengths[i]]``),
     as the cache holds them: the rows are gathered with numpy, without a Python object per token."""
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    starts = (np.cumsum(lengths) - lengths).astype(np.int64)
     rows = first_fit(lengths.tolist(), max_seq_len) if packed else [[i] for i in range(len(lengths))]
     # The pieces of every row in order: samples (index ≥ 0) and the padding tail (-1).
     order, tails = [], []
@@ -171,7 +171,7 @@ def layout_rows(
     piece_len[is_pad] = np.array(tails, dtype=np.int64)
     piece_start = np.where(is_pad, -1, starts[np.maximum(order_arr, 0)])
     total = int(piece_len.sum())
-    first = np.concatenate([[0], np.cumsum(piece_len)[:-1]])
+    first = np.cumsum(piece_len) - piece_len  # each piece's offset (also for no pieces at all)
     within = np.arange(total, dtype=np.int64) - np.repeat(first, piece_len)
     source = np.repeat(piece_start, piece_len) + within  # -1 + within for padding: fixed below
     pad = np.repeat(is_pad, piece_len)

@@ -373,7 +373,8 @@ def _lay_out(
     train, stats = _rows(splits["train"], data, tokenizer.pad_token_id)
     if len(train) == 0:
         raise DataError(
-            f"{data.path or 'data.mix'}: no training samples left after dropping those with no trainable tokens"
+            f"{data.path or 'data.mix'}: no training samples left: all {stats.num_samples:,} have no trainable "
+            f"token within data.max_seq_len={data.max_seq_len} (the prompt fills it); raise data.max_seq_len"
         )
     validation = None
     if "validation" in splits:
