@@ -1,7 +1,8 @@
 """The preference and distillation objectives: each loss against its formula written out here
 from the papers / TRL (independent of our code), the fused and materialised paths against each
-other on a tiny model, accumulation invariance, LoRA's adapters-off reference, and training runs
-whose metrics reach metrics.jsonl."""
+other on a tiny model, the one-pass fused path of the pair objectives against the two-step one,
+accumulation invariance, LoRA's adapters-off reference, and training runs whose metrics reach
+metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ import pytest
 import torch
 
 from ligertune.config import RecipeError, load_recipe
+from ligertune.kernels import fused_linear_logprobs as flp_kernel
 from ligertune.objectives import build_objective
 from ligertune.objectives.dpo import dpo_losses
 from ligertune.objectives.kto import kto_losses
+from ligertune.objectives.logps import sequence_logps
 from ligertune.objectives.orpo import orpo_losses
 from ligertune.objectives.simpo import simpo_losses
 from ligertune.training import train
@@ -116,6 +119,61 @@ def test_fused_and_materialised_paths_agree(name, tmp_path):
     assert m1 == pytest.approx(m2, rel=1e-4, abs=1e-5)
     for a, b in zip(g1, g2, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [("dpo", []), ("dpo", ["objective.loss_type=ipo"]), ("orpo", []), ("simpo", [])],
+    ids=["dpo", "ipo", "orpo", "simpo"],
+)
+def test_one_pass_equals_the_two_step_path(name, extra, tmp_path, monkeypatch):
+    """With the fused head, dpo/orpo/simpo evaluate their ``losses`` inside the policy's lm_head
+    call, per chunk of pairs (here a tiny budget: one pair per chunk, so every chunk reads its
+    own slice of the token counts and reference), and get the gradient in the forward. That is
+    the two-step path's loss, metrics and gradients: per-token log-probs through the same fused
+    head, the reference, then ``losses`` on all pairs at once. The policy is moved away from its
+    frozen reference first, so that rewards and margins are not all 0."""
+    monkeypatch.setattr(flp_kernel, "DEFAULT_MEMORY_BUDGET_BYTES", 1)
+    fused, short = "kernels.fused_linear_cross_entropy=true", "data.max_seq_len=32"
+    trainer = _setup(_recipe(name, fused, short, *extra, f"output_dir={tmp_path}"))
+    try:
+        objective, model = trainer.objective, trainer.model
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p), alpha=0.05)
+        batch = next(trainer.loader.iter_epoch(0))
+        n = torch.tensor(objective.count(batch))
+        losses, pairs_per_call = objective.losses, []
+
+        def recording(logps, *args):
+            pairs_per_call.append(logps.shape[0] // 2)
+            return losses(logps, *args)
+
+        monkeypatch.setattr(objective, "losses", recording)
+        one_pass = objective(model, batch, n)
+        one_pass.loss.backward()
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+
+        ref = objective.reference.logps(model, batch)
+        logps, tokens = sequence_logps(model, batch, fused=True)
+        item_losses, metrics = losses(logps, tokens, ref, batch)
+        two_step = item_losses.sum() / n
+        two_step.backward()
+        two_step_grads = [p.grad for p in model.parameters() if p.grad is not None]
+    finally:
+        trainer.cleanup()
+    assert objective.fused and pairs_per_call == [1] * n.item()
+    torch.testing.assert_close(one_pass.loss, two_step.detach(), rtol=1e-6, atol=1e-7)
+    assert abs(one_pass.loss.item() - math.log(2)) > 1e-3 and one_pass.metrics["rewards_margin"] != 0
+    assert one_pass.metrics.keys() == metrics.keys()
+    for key, value in metrics.items():
+        torch.testing.assert_close(
+            one_pass.metrics[key], value.detach().float().sum() / n, rtol=1e-6, atol=1e-6
+        )
+    assert len(grads) == len(two_step_grads) > 0
+    for a, b in zip(grads, two_step_grads, strict=True):  # fp32 rounding apart (~2e-7 normwise)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
 def test_accumulation_invariance_dpo(tmp_path):

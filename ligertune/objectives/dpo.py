@@ -57,7 +57,7 @@ def dpo_losses(
 class DPO(PairObjective):
     name = "dpo"
 
-    def losses(self, logps, tokens, ref, batch: Batch):
+    def losses(self, logps, tokens, ref, batch: Batch | None):
         loss_type = self.options.get("loss_type", "sigmoid")
         if loss_type == "ipo":  # IPO is defined on mean token log-probs (as TRL computes it)
             logps, ref = logps / tokens.clamp_min(1), ref / tokens.clamp_min(1)

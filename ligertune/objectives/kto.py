@@ -48,6 +48,7 @@ def kto_losses(
 
 class KTO(PairObjective):
     name = "kto"
+    separable = False  # z₀ is a mean over the micro-batch
 
     def losses(self, logps, tokens, ref, batch: Batch):
         (policy, kl), (ref_policy, ref_kl) = halves(logps), halves(ref)

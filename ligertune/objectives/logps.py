@@ -10,6 +10,10 @@ Two paths, chosen once per model when the objective is built:
   computes per-token log-probs with `ligertune.kernels.fused_linear_logprobs` inside its own call
   (DDP, and the gathers of sharded strategies, see the same call as for the plain loss), and the
   [tokens × vocab] logits never exist. A LoRA adapter on the lm_head is handled as for SFT.
+  A loss that is a sum over pairs of rows, each term reading only its pair's log-probs (DPO,
+  ORPO, SimPO), goes one step further with `pair_sequence_loss`: the same call evaluates the
+  loss per chunk of pairs and computes its gradient in the same pass (three lm_head matmuls
+  instead of four: the backward needs no logits again).
 - *materialised* (kernels off, or an lm_head the kernel cannot compute): the HF forward's
   logits, ``log_softmax`` in fp32 and a gather: what TRL computes.
 
@@ -21,11 +25,13 @@ gathered by the same hooks around the same module call; only the gradients are m
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from ligertune.data.formats import IGNORE_INDEX
-from ligertune.kernels.fused_linear_logprobs import fused_linear_logprobs
+from ligertune.kernels.fused_linear_logprobs import GroupedLogprobs, GroupLoss, fused_linear_logprobs
 from ligertune.objectives.base import Batch
 from ligertune.patching.common import MARK
 from ligertune.patching.losses import LM_HEAD_LOSS_FN, fused_head
@@ -40,6 +46,11 @@ def model_inputs(batch: Batch) -> dict[str, torch.Tensor]:
 def shifted_targets(labels: torch.Tensor) -> torch.Tensor:
     """[R, S] next-token targets: position t is scored against labels[t + 1]; the last gets −100."""
     return nn.functional.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def label_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """[R] label tokens per row (the targets that count), on the labels' device."""
+    return (shifted_targets(labels) != IGNORE_INDEX).sum(-1)
 
 
 def lm_head_is_fused(model: nn.Module) -> bool:
@@ -73,4 +84,26 @@ def sequence_logps(model: nn.Module, batch: Batch, fused: bool) -> tuple[torch.T
         token = out.loss.view(target.shape)
     else:
         token = logps_from_logits(model(**model_inputs(batch)).logits, target)
-    return token.sum(-1), (target != IGNORE_INDEX).sum(-1)
+    return token.sum(-1), label_tokens(labels)
+
+
+def pair_sequence_loss(model: nn.Module, batch: Batch, loss: Callable) -> GroupedLogprobs:
+    """The fused path's forward of a loss of pairs of rows, row i and row i + R/2 (chosen and
+    rejected), each pair's term reading only its own rows' log-probs. `loss` is `GroupLoss.fn`:
+    called per chunk of pairs with their rows' Σ log-probs [2, g] and the chunk's slice of pair
+    indices, inside the lm_head's call (the weight gathered, as for the per-token path), and
+    differentiated there, so whatever else it reads must be known before the forward (the
+    reference's log-probs). Returns `GroupedLogprobs` whose ``loss`` is the model output's: the
+    tensor a wrapper (DDP) hands back, which the backward must start from."""
+    labels = batch["labels"]
+    spec = GroupLoss(loss, rows=labels.shape[0], size=2)
+    found = {}
+
+    def head(hidden, weight, target, bias=None, *, ignore_index=IGNORE_INDEX, softcap=None, **_):
+        found["out"] = fused_linear_logprobs(
+            hidden, weight, target, bias, ignore_index=ignore_index, softcap=softcap, group_loss=spec
+        )
+        return found["out"].loss
+
+    out = model(**model_inputs(batch), labels=labels, **{LM_HEAD_LOSS_FN: head})
+    return found["out"]._replace(loss=out.loss)

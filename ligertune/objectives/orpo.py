@@ -35,7 +35,7 @@ def orpo_losses(
 class ORPO(PairObjective):
     name = "orpo"
 
-    def losses(self, logps, tokens, ref, batch: Batch):
+    def losses(self, logps, tokens, ref, batch: Batch | None):
         mean = logps / tokens.clamp_min(1)
         chosen, rejected = halves(mean)
         loss, nll, log_odds = orpo_losses(chosen, rejected, self.beta)

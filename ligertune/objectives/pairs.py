@@ -5,6 +5,13 @@ all 2B rows (chosen and rejected together), the reference's log-probs, then a lo
 An item is a pair (dpo, orpo, simpo) or an example (kto): ``count`` is B, on the host. The
 objective returns Σ_items loss / N and its metrics as Σ_items value / N, which the loop sums
 over the window into means (`ligertune.objectives.base`). Subclasses implement ``losses``.
+
+The reference's log-probs come first: they are constants of the policy's loss. On the fused
+path a *separable* objective (a pair's loss reads only that pair's log-probs: dpo, orpo,
+simpo) then hands its ``losses`` to the policy's lm_head call (`logps.pair_sequence_loss`),
+which evaluates it per chunk of pairs and computes the gradient in the same pass, without
+computing the logits a second time in the backward. KTO's reference point is a mean over the
+micro-batch, so it takes the two-step path: the rows' log-probs, then the loss.
 """
 
 from __future__ import annotations
@@ -13,12 +20,13 @@ import torch
 from torch import nn
 
 from ligertune.objectives.base import Batch, ObjectiveOutput
-from ligertune.objectives.logps import sequence_logps
+from ligertune.objectives.logps import label_tokens, pair_sequence_loss, sequence_logps
 from ligertune.objectives.reference import Reference
 
 
 class PairObjective:
     name = "pairs"
+    separable = True  # the loss of a pair reads only its own rows (module docstring)
 
     def __init__(self, beta: float, reference: Reference, fused: bool, **options):
         self.beta, self.reference, self.fused, self.options = beta, reference, fused, options
@@ -28,20 +36,42 @@ class PairObjective:
         return batch["input_ids"].shape[0] // 2
 
     def losses(
-        self, logps: torch.Tensor, tokens: torch.Tensor, ref: torch.Tensor, batch: Batch
+        self, logps: torch.Tensor, tokens: torch.Tensor, ref: torch.Tensor, batch: Batch | None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss per item [B], metrics per item [B] each) from the rows' Σ log-probs, label
-        token counts and reference Σ log-probs (all [2B])."""
+        token counts and reference Σ log-probs (all [2B]). `batch` is the micro-batch, for a
+        loss that reads more of it (KTO's desirability); a separable objective's fused path
+        calls this per chunk of pairs, on those pairs' values only, and passes None."""
         raise NotImplementedError
 
     def __call__(self, model: nn.Module, batch: Batch, num_items: torch.Tensor) -> ObjectiveOutput:
-        logps, tokens = sequence_logps(model, batch, self.fused)
         ref = self.reference.logps(model, batch).detach()
+        n = num_items.to(torch.float32)
+        if self.fused and self.separable:
+            out = pair_sequence_loss(model, batch, self._chunk_loss(batch, ref, n))
+            return ObjectiveOutput(out.loss, _means(out.extras, n))
+        logps, tokens = sequence_logps(model, batch, self.fused)
         losses, metrics = self.losses(logps, tokens, ref, batch)
-        n = num_items.to(losses.dtype)
-        return ObjectiveOutput(
-            losses.sum() / n, {k: v.detach().float().sum() / n for k, v in sorted(metrics.items())}
-        )
+        return ObjectiveOutput(losses.sum() / n, _means(metrics, n))
+
+    def _chunk_loss(self, batch: Batch, ref: torch.Tensor, n: torch.Tensor):
+        """`GroupLoss.fn` of the one-pass path: ``losses`` on a chunk's pairs, summed over N,
+        with the per-item metrics as the extras the kernel concatenates over the chunks."""
+        tokens = label_tokens(batch["labels"])
+
+        def loss(row_logps: torch.Tensor, pairs: slice):
+            def rows(x):  # [2B] → the chunk's rows, first sequences then second ones, as row_logps
+                return x.reshape(2, -1)[:, pairs].reshape(-1)
+
+            losses, metrics = self.losses(row_logps.reshape(-1), rows(tokens), rows(ref), None)
+            return losses.sum() / n, metrics
+
+        return loss
+
+
+def _means(metrics: dict[str, torch.Tensor], n: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-item metrics [B] → Σ / N each (`ligertune.objectives.base`), detached, fp32."""
+    return {k: v.detach().float().sum() / n for k, v in sorted(metrics.items())}
 
 
 def halves(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

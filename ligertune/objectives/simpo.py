@@ -33,7 +33,7 @@ def simpo_losses(
 class SimPO(PairObjective):
     name = "simpo"
 
-    def losses(self, logps, tokens, ref, batch: Batch):
+    def losses(self, logps, tokens, ref, batch: Batch | None):
         chosen, rejected = halves(logps / tokens.clamp_min(1))
         loss, reward_c, reward_r = simpo_losses(
             chosen,

@@ -121,8 +121,15 @@ def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     return 6.0 * matmul_params(model) + 12.0 * config.num_hidden_layers * attention_width * seq_len
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the peak over from what is allocated now, so a run's peak is its own (not that of
+    earlier work in the same process: a notebook, `ligertune compare`'s tests, a sweep)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
 def peak_memory_gib(device: torch.device) -> tuple[float | None, float | None]:
-    """Peak memory allocated and reserved by the caching allocator since start (GiB)."""
+    """Peak memory allocated and reserved by the caching allocator since `reset_peak_memory` (GiB)."""
     if device.type != "cuda":
         return None, None
     return torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB

@@ -63,6 +63,7 @@ from ligertune.run.metrics import (
     MetricsLogger,
     RunSummary,
     peak_memory_gib,
+    reset_peak_memory,
 )
 from ligertune.training.export import export_hf, push_export
 from ligertune.training.memory.auto import memory_budget, oom_suggestion, resolve_auto
@@ -146,6 +147,7 @@ class Trainer(TrainerSetup):
         self.consecutive_skipped = 0
         self.last_loss = self.eval_loss = None
         stop_signal = None
+        reset_peak_memory(self.device)
         started = time.perf_counter()
         with StopSignal(self.log) as stop:
             while self.step < self.total_steps:
