@@ -9,7 +9,8 @@ of the same shape, each step = reference forward (no grad) + policy forward + ba
              on the final hidden states (its chunked loss takes the reference's hidden states
              and lm_head weight and computes the reference log-probs itself);
 - ``ours``:  our kernels (``kernels: all``) and the ``dpo`` objective with a frozen reference
-             (per-token log-probs inside the lm_head, never the logits).
+             (the pair loss and its gradient computed inside the lm_head chunk by chunk, never
+             the logits).
 
 Reports tokens/s (4·B·S per step / median step time), peak allocated memory and the loss of the
 first step (same batch, same weights: the three must agree to bf16 tolerance).
