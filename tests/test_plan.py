@@ -17,9 +17,10 @@ from ligertune.config import load_recipe
 from ligertune.config.rules import recipe_problems
 from ligertune.config.schema.training import CHECKPOINT_MODULES
 from ligertune.patching.apply import patch_model
+from ligertune.training.memory import choose
 from ligertune.training.memory.auto import resolve_auto
 from ligertune.training.memory.checkpointing import SUBMODULE_ATTRIBUTES, checkpoint_submodules
-from ligertune.training.memory.choose import base_setting, candidates, relative_speed
+from ligertune.training.memory.choose import base_setting, candidates, offload_slowdown, relative_speed
 from ligertune.training.memory.estimate import (
     GIB,
     Setting,
@@ -271,6 +272,31 @@ def test_checkpointing_and_offload_lower_the_estimate():
     assert peaks[0] > estimate(shape, attention).peak > peaks[3]
     every_other = replace(base, checkpointing="selective", every=2)
     assert relative_speed(shape, base) > relative_speed(shape, attention) > relative_speed(shape, every_other)
+
+
+def test_offload_costs_the_pcie_time_the_layer_cannot_hide(monkeypatch):
+    """A Llama-3-8B layer by hand: 4096² (q) + 2·4096·1024 (k, v) + 4096² (o) + 3·4096·14336
+    (MLP) + 2·4096 (norms) = 218,112,000 parameters, 6 FLOPs each a token: 3.27 µs at 400
+    TFLOP/s. With our kernels it saves per token, in bf16: q 8192 B, k and v 2048 each, o's
+    input 8192, the attention's log-sum-exp 32·4, each norm's input and output 2·8192 plus its
+    fp32 rstd 4 (twice), gate, up and their product 3·28672: 139,400 B, 2.79 µs each way at
+    50 GB/s. The copies outlast both the forward (1.09 µs) and the backward (2.18 µs):
+    (2.79 + 2.79) / 3.27 - 1 = 0.705."""
+    r = load_recipe(
+        ROOT / "recipes" / "llama3-8b-alpaca-bench.yaml",
+        ["parallel.strategy=none", "training.precision=bf16"],
+    )
+    shape, base = recipe_shape(r), replace(base_setting(r, 1), offload=True)
+    assert shape.layer_params == 218_112_000
+    assert offload_slowdown(shape, base) == pytest.approx(
+        2 * (139_400 / 50e9) / (6 * 218_112_000 / 400e12) - 1
+    )
+    # Recomputing attention leaves only the MLP's and the norms' bytes to copy: a smaller cost.
+    attention = replace(base, checkpointing="selective", every=1, modules=("attention",))
+    assert 0 < offload_slowdown(shape, attention) < offload_slowdown(shape, base)
+    # A link fast enough to hide the copies behind the forward costs nothing.
+    monkeypatch.setattr(choose, "PCIE_BYTES_PER_S", 1e15)
+    assert offload_slowdown(shape, base) == 0
     labels = {s.label() for s in candidates(base, (1,), ("none", "selective", "full"))}
     assert "micro 1, checkpointing selective/1 (attention)" in labels
     assert "micro 1, checkpointing selective/2, offload" in labels

@@ -27,6 +27,7 @@ from ligertune.training.memory.estimate import (
     Setting,
     checkpointed_layers,
     estimate,
+    layer_saved,
 )
 
 if TYPE_CHECKING:
@@ -137,19 +138,42 @@ def module_params(shape: ModelShape, module: str) -> int:
     return 3 * shape.hidden * shape.intermediate
 
 
+# Offload's cost model (assumptions of an H100/H200 host, not measurements): about 50 GB/s per
+# direction over a PCIe 5 x16 link, and about 400 TFLOP/s of bf16 work achieved in a decoder layer
+# (half the dense peak, what the end-to-end benchmarks reach).
+PCIE_BYTES_PER_S = 50e9
+ACHIEVED_FLOPS = 400e12
+
+
+def offload_slowdown(shape: ModelShape, s: Setting) -> float:
+    """How much longer an offloaded layer takes than the same layer kept on the GPU.
+
+    Its saved bytes cross PCIe once each way on a side stream, overlapped with the layer's
+    forward (a third of its 6 FLOPs per parameter and token) and its backward (two thirds), so
+    each pass costs the longer of its compute and its copy. A Llama-3-8B layer with our kernels
+    saves ~140 kB a token against ~3.3 µs of work: the copies (~2.8 µs each way) outlast both
+    passes, and the layer takes ~1.7× as long; the 1B shape's layers, whose saved bytes shrink
+    more slowly than their work, take ~3.3× as long. What a sub-module checkpoint recomputes is not offloaded (only its
+    input is saved)."""
+    saved = sum(t.per_token * t.bytes_per_element for t in layer_saved(shape, s) if t.module not in s.modules)
+    compute = 6 * shape.layer_params / ACHIEVED_FLOPS
+    copy = saved / PCIE_BYTES_PER_S
+    return (max(compute / 3, copy) + max(2 * compute / 3, copy)) / compute - 1
+
+
 def relative_speed(shape: ModelShape, s: Setting) -> float:
     """A throughput score for ordering settings (higher is faster), not a prediction of tokens/s.
 
     Work per token is 6 FLOPs per parameter (forward + backward); a checkpointed layer adds a
     second forward (2 per parameter), of its checkpointed sub-module only when `s.modules` names
-    one (its share of the layer's parameters). Offload adds PCIe traffic, counted as a 25%
-    slowdown of the offloaded layers. A larger micro-batch amortises the per-step costs
-    (optimizer, gathers, launches), modelled as a fixed cost equal to 2048 tokens' work."""
+    one (its share of the layer's parameters). Offloaded layers take `offload_slowdown` longer.
+    A larger micro-batch amortises the per-step costs (optimizer, gathers, launches), modelled
+    as a fixed cost equal to 2048 tokens' work."""
     checkpointed = checkpointed_layers(shape.layers, s) / shape.layers
     share = 1.0 if s.whole_layers else sum(module_params(shape, m) for m in s.modules) / shape.layer_params
     recompute = checkpointed * share * 2 / 6
     offloaded = 1 - checkpointed if s.whole_layers else 1.0
-    offload = 0.25 * offloaded if s.offload else 0.0
+    offload = offloaded * offload_slowdown(shape, s) if s.offload else 0.0
     amortised = s.tokens / (s.tokens + 2048)
     return amortised / (1 + recompute + offload)
 
