@@ -131,6 +131,24 @@ def _matmul_into(
                 out[r : r + slice_rows].copy_(part)
 
 
+def _accumulate_linear_grads(dw, db, grad_logits, h, first: bool, slice_rows: int) -> None:
+    """One chunk's share of the linear layer's gradients: dW += grad_logitsᵀ·h (the first chunk
+    writes instead), db += Σ_rows grad_logits (fp32). A None accumulator is not wanted."""
+    if dw is not None:
+        _matmul_into(dw, grad_logits.t(), h, accumulate=not first, slice_rows=slice_rows)
+    if db is not None:
+        db += grad_logits.sum(0, dtype=torch.float32)
+
+
+def _finish_linear_grads(dw, db, weight, bias):
+    """The accumulators rounded to their parameters' dtypes."""
+    if dw is not None and dw.dtype != weight.dtype:
+        dw = dw.to(weight.dtype)
+    if db is not None:
+        db = db.to(bias.dtype)
+    return dw, db
+
+
 def _rows_of(scale, start, end):
     """A chunk's part of a per-row scale ([N]); a 0-d scale or None as is."""
     return scale if scale is None or scale.dim() == 0 else scale[start:end]
@@ -208,19 +226,11 @@ def _sweep(
             continue
         if want_dh:
             torch.mm(logits, weight, out=dh[start:end])
-        if want_dw:
-            _matmul_into(
-                dw, logits.t(), h, accumulate=start > 0, slice_rows=max(1, buffer.numel() // n_hidden)
-            )
-        if want_db:
-            db += logits.sum(0, dtype=torch.float32)
+        _accumulate_linear_grads(dw, db, logits, h, start == 0, max(1, buffer.numel() // n_hidden))
 
     # Release the chunk buffer before the accumulator is rounded, so the two never coexist with the copy.
     buffer = logits = None
-    if dw is not None and dw.dtype != weight.dtype:
-        dw = dw.to(weight.dtype)
-    if db is not None:
-        db = db.to(bias.dtype)
+    dw, db = _finish_linear_grads(dw, db, weight, bias)
     return (loss_rows, z_rows, correct_rows), (dh, dw, db)
 
 

@@ -79,9 +79,10 @@ from ._utils import use_triton
 from .cross_entropy import CEOptions, claim_backward, launch_cross_entropy, row_outputs, scale_rows_
 from .fused_linear_cross_entropy import (
     DEFAULT_MEMORY_BUDGET_BYTES,
+    _accumulate_linear_grads,
     _ce_options,
     _check_linear,
-    _matmul_into,
+    _finish_linear_grads,
     _mixed_matmul_supported,
     chunk_rows,
     fused_linear_cross_entropy,
@@ -321,19 +322,11 @@ def _grouped_sweep(hidden, weight, bias, target, group_loss: GroupLoss, opts: CE
         launch_cross_entropy(logits, y, None, opts, grad=logits, grad_scale=scale, **ce)
         if want_dh:
             dh.view(size, n_groups, seq, n_hidden)[:, groups] = (logits @ weight).view(size, g, seq, n_hidden)
-        if want_dw:
-            _matmul_into(
-                dw, logits.t(), h, accumulate=start > 0, slice_rows=max(1, buffer.numel() // n_hidden)
-            )
-        if want_db:
-            db += logits.sum(0, dtype=torch.float32)
+        _accumulate_linear_grads(dw, db, logits, h, start == 0, max(1, buffer.numel() // n_hidden))
 
     # Release the chunk buffer before the accumulator is rounded, so the two never coexist with the copy.
     buffer = logits = None
-    if dw is not None and dw.dtype != weight.dtype:
-        dw = dw.to(weight.dtype)
-    if db is not None:
-        db = db.to(bias.dtype)
+    dw, db = _finish_linear_grads(dw, db, weight, bias)
     kept = {k: torch.cat([chunk[k] for chunk in extras]) for k in extras[0]}
     return (total, row_logps.view(-1), kept), (dh, dw, db)
 
@@ -476,15 +469,8 @@ class _FusedDistillationFunction(torch.autograd.Function):
                 continue
             if want_dh:
                 torch.mm(grad, s_weight, out=dh[start:end])
-            if want_dw:
-                _matmul_into(dw, grad.t(), h, accumulate=True, slice_rows=max(1, rows * n_cols // n_hidden))
-            if want_db:
-                db += grad.sum(0, dtype=torch.float32)
-        ctx.save_for_backward(
-            dh,
-            None if dw is None else dw.to(s_weight.dtype),
-            None if db is None else db.to(s_bias.dtype),
-        )
+            _accumulate_linear_grads(dw, db, grad, h, False, max(1, rows * n_cols // n_hidden))
+        ctx.save_for_backward(dh, *_finish_linear_grads(dw, db, s_weight, s_bias))
         ctx.mark_non_differentiable(sums)
         return sums[0].clone(), sums
 
