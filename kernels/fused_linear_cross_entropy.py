@@ -17,8 +17,12 @@ incoming (scalar) gradient — with the device-side "skip when exactly 1" kernel
 Chunk size. ``C`` comes from ``memory_budget_bytes`` and the shapes: the largest C with
 C × V × element size within the budget, then the chunks are balanced (N split into equal parts)
 and rounded up to a multiple of 64 rows when that stays within the budget (matmul tiles). The
-default budget (768 MiB) gives, at V = 128256 in bf16, 3 chunks of 2752 rows for N = 8192 —
-matmuls big enough to run at full speed, and a buffer well under the 1 GiB extra-memory target.
+default budget (768 MiB) gives, at V = 128256 in bf16, 6 chunks of 2752 rows for N = 16384 —
+matmuls big enough to run near full speed, and a buffer well under the 1 GiB extra-memory target.
+One exception (``sweep_rows``): when dW needs an fp32 accumulator over the chunks, a single chunk
+of all N rows is taken whenever its [N, V] buffer needs no more memory than the accumulator it
+saves. At N = 8192, H = 4096, V = 128256 the two peaks are equal (3.2 GB), and the single chunk runs
+eager's three GEMM shapes with no accumulation pass and no chunking loss.
 
 dW accumulation. ``accum_dtype`` (fp32 by default) is the dtype of the running sum over chunks.
 Summing in bf16 rounds the running total once per chunk, and the rounding error grows with the
@@ -74,6 +78,7 @@ __all__ = [
     "DEFAULT_MEMORY_BUDGET_BYTES",
     "fused_linear_cross_entropy",
     "fused_linear_cross_entropy_reference",
+    "sweep_rows",
 ]
 
 DEFAULT_MEMORY_BUDGET_BYTES = 768 * 2**20
@@ -91,6 +96,38 @@ def chunk_rows(n_rows: int, n_cols: int, bytes_per_element: int, budget_bytes: i
     rows = math.ceil(n_rows / math.ceil(n_rows / max_rows))
     aligned = math.ceil(rows / _ROW_ALIGN) * _ROW_ALIGN
     return aligned if aligned <= max_rows else rows
+
+
+def sweep_rows(
+    n_rows: int,
+    n_cols: int,
+    n_hidden: int,
+    bytes_per_element: int,
+    budget_bytes: int,
+    *,
+    accumulator_bytes: int = 0,
+    weight_bytes: int = 2,
+) -> int:
+    """Rows per chunk of the fused loop: ``chunk_rows`` within the budget, or all ``n_rows`` in one
+    chunk when that needs no more memory than the chunked loop.
+
+    Several chunks sum dW over them in an accumulator of ``accumulator_bytes`` per element
+    (0: none, as with bf16 accumulation or fp32 weights); one chunk needs none, since cuBLAS sums
+    all N rows in fp32 itself, and runs three full-size GEMMs instead of three per chunk. The peaks
+    compared: one chunk holds its [N, V] buffer and dW; several hold the accumulator with their
+    [C, V] buffer, then with the rounded dW (the buffer is freed first). At 8192 × 4096 × 128256
+    in bf16 both are 3.2 GB, so the single chunk is taken; at 16384 × 2048 it would be 4.7 GB
+    against 1.8 GB, so not.
+    """
+    rows = chunk_rows(n_rows, n_cols, bytes_per_element, budget_bytes)
+    if rows >= n_rows or not accumulator_bytes:
+        return rows
+    weight_size = n_cols * n_hidden
+    single = n_rows * n_cols * bytes_per_element + weight_size * weight_bytes
+    chunked = weight_size * accumulator_bytes + max(
+        rows * n_cols * bytes_per_element, weight_size * weight_bytes
+    )
+    return n_rows if single <= chunked else rows
 
 
 @functools.cache
@@ -181,14 +218,18 @@ def _sweep(
     want_dh, want_dw, want_db = want_grads if grad_scale is not None else (False, False, False)
     compute_grad = want_dh or want_dw or want_db
 
-    rows = chunk_rows(n_rows, n_cols, hidden.element_size(), budget)
+    wide_dw = want_dw and accum_dtype != weight.dtype
+    rows = sweep_rows(
+        n_rows,
+        n_cols,
+        n_hidden,
+        hidden.element_size(),
+        budget,
+        accumulator_bytes=accum_dtype.itemsize if wide_dw else 0,
+        weight_bytes=weight.element_size(),
+    )
     single_chunk = rows >= n_rows
-    if (
-        want_dw
-        and not single_chunk
-        and accum_dtype != weight.dtype
-        and not _mixed_matmul_supported(hidden.device.type)
-    ):
+    if wide_dw and not single_chunk and not _mixed_matmul_supported(hidden.device.type):
         # The sliced accumulation's temporary takes half of the budget.
         rows = chunk_rows(n_rows, n_cols, 2 * hidden.element_size(), budget)
     buffer = hidden.new_empty(rows, n_cols)

@@ -22,6 +22,7 @@ from ligertune.kernels.fused_linear_cross_entropy import (
     chunk_rows,
     fused_linear_cross_entropy,
     fused_linear_cross_entropy_reference,
+    sweep_rows,
 )
 from tests.kernels.helpers import assert_close, fresh_randn, rel_err
 from tests.kernels.test_cross_entropy import _targets, _upstream, oracle, weighted_mean_written_out
@@ -145,8 +146,9 @@ def test_odd_shapes_one_chunk_and_many(n_cols, budget):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_bf16(accum_dtype, reduction):
     """bf16 inputs against the float64 oracle on the same bf16 values (bounds at the top), in
-    many chunks so both dW accumulations (fp32 via slices on CPU, and bf16) run."""
-    n_rows, n_hidden, n_cols = 24, 64, 2000
+    four chunks so both dW accumulations (fp32 via slices on CPU, and bf16) run: with fewer rows
+    a single chunk would need less memory than the fp32 accumulator, and be taken (`sweep_rows`)."""
+    n_rows, n_hidden, n_cols = 160, 64, 2000
     hidden, weight, bias = _inputs(n_rows, n_hidden, n_cols, dtype=torch.bfloat16)
     target = _targets(n_rows, n_cols)
     kw = dict(ALL_OPTIONS, reduction=reduction)
@@ -157,7 +159,7 @@ def test_bf16(accum_dtype, reduction):
         target,
         bias,
         upstream,
-        dict(accum_dtype=accum_dtype, memory_budget_bytes=6 * n_cols * 2),
+        dict(accum_dtype=accum_dtype, memory_budget_bytes=40 * n_cols * 2),
         **kw,
     )
     assert rel_err(out, ref) <= BF16_LOSS_REL
@@ -343,6 +345,28 @@ def test_chunk_rows_fits_the_budget_and_balances(n_rows, n_cols, elem, budget):
     assert (n_chunks - 1) * rows < n_rows, "an empty chunk"
     # Balanced: no smaller chunk count would fit the budget.
     assert n_chunks == math.ceil(n_rows / max(1, budget // (n_cols * elem)))
+
+
+@pytest.mark.parametrize(
+    "n_rows, n_hidden, n_cols, acc, expected",
+    [
+        # Hand-counted peaks (bf16 in and out, fp32 accumulator, default 768 MiB budget):
+        # one chunk 8192·128256·2 + 128256·4096·2 = 3.15e9 B; chunks 128256·4096·4 + max(2752·128256·2,
+        # 128256·4096·2) = 3.15e9 B: equal, so one chunk.
+        (8192, 4096, 128256, 4, 8192),
+        # One chunk 16384·128256·2 + 128256·2048·2 = 4.73e9 B against 1.05e9 + 0.71e9 B: 6 chunks.
+        (16384, 2048, 128256, 4, 2752),
+        # No accumulator (bf16 accumulation): the budget alone decides, 3 chunks.
+        (8192, 4096, 128256, 0, 2752),
+        # One row more than 2·H: the single chunk's buffer outgrows the accumulator.
+        (8193, 4096, 128256, 4, 2752),
+    ],
+)
+def test_sweep_rows_takes_one_chunk_when_it_needs_no_more_memory(n_rows, n_hidden, n_cols, acc, expected):
+    rows = sweep_rows(
+        n_rows, n_cols, n_hidden, 2, DEFAULT_MEMORY_BUDGET_BYTES, accumulator_bytes=acc, weight_bytes=2
+    )
+    assert rows == expected
 
 
 @pytest.mark.parametrize(

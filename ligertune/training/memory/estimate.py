@@ -60,7 +60,7 @@ Assumptions (what the GPU check, ``scripts/gpu_plan_accuracy.sh``, validates)
 - The eager loss holds three fp32 ``[tokens × vocab]`` tensors and one in the compute dtype at
   its peak (the saved log-probabilities, their gradient, the logits' fp32 gradient and its
   bf16 copy; calibrated on the measured eager peaks of docs/benchmarks.md); ``cross_entropy`` keeps one
-  gradient-sized tensor; fused linear CE one chunk buffer (the kernel's own `chunk_rows`) and,
+  gradient-sized tensor; fused linear CE one chunk buffer (the kernel's own `sweep_rows`) and,
   with several chunks and bf16 weights, its fp32 dW accumulator.
 - A layer's backward needs about the gradients of its largest activations: the MLP's gate/up
   gradients and a few hidden-sized ones (`layer_backward_bytes`).
@@ -82,14 +82,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ligertune.kernels.fused_linear_cross_entropy import DEFAULT_MEMORY_BUDGET_BYTES, sweep_rows
+
 GIB = 2**30
 # Part of the GPU left free when deciding "fits": the caching allocator's fragmentation, the
 # CUDA context and library workspaces (cuBLAS, NCCL), which are not allocated tensors.
 HEADROOM_FRACTION = 0.08
-# The fused linear cross entropy's default chunk budget (kernels/fused_linear_cross_entropy.py).
-FLCE_BUDGET_BYTES = 768 * 2**20
-# Rows of a fused-CE chunk are rounded to this (the kernel's tile alignment).
-_FLCE_ROW_ALIGN = 64
 
 CHECKPOINTING = ("none", "selective", "full")
 
@@ -324,25 +322,16 @@ def head_fixed_bytes(shape: ModelShape, s: Setting) -> int:
     return shape.vocab * shape.hidden * compute_bytes(s)
 
 
-def flce_chunk_rows(tokens: int, vocab: int, bytes_per_element: int, budget: int = FLCE_BUDGET_BYTES) -> int:
-    """Rows per chunk of the fused CE: the kernel's `chunk_rows` rule (largest count within the
-    budget, balanced over the chunks, tile-aligned where that still fits)."""
-    max_rows = max(1, budget // (vocab * bytes_per_element))
-    if max_rows >= tokens:
-        return tokens
-    chunks = math.ceil(tokens / max_rows)
-    rows = math.ceil(tokens / chunks)
-    aligned = math.ceil(rows / _FLCE_ROW_ALIGN) * _FLCE_ROW_ALIGN
-    return aligned if aligned <= max_rows else rows
-
-
 def loss_temporary_bytes(shape: ModelShape, s: Setting) -> int:
     """What the loss head allocates on top of what it saves, at its peak."""
     n, v, ea = s.tokens, shape.vocab, compute_bytes(s)
     k = s.kernels
     if "fused_linear_cross_entropy" in k:
-        rows = flce_chunk_rows(n, v, ea)
-        accumulator = shape.vocab * shape.hidden * 4 if rows < n and ea != 4 else 0
+        wide = 4 if ea != 4 else 0  # the fp32 dW accumulator of a chunked loop
+        rows = sweep_rows(
+            n, v, shape.hidden, ea, DEFAULT_MEMORY_BUDGET_BYTES, accumulator_bytes=wide, weight_bytes=ea
+        )
+        accumulator = shape.vocab * shape.hidden * wide if rows < n else 0
         return rows * v * ea + accumulator
     if "cross_entropy" in k:  # the logits (then their gradient in place) and the fp32 row stats
         return n * 8
