@@ -54,7 +54,7 @@ TRITON = "fused Triton kernels"
 CATEGORIES = (
     (NCCL, ("nccl",)),
     ("matmul (cuBLAS/CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitk")),
-    ("attention (SDPA flash)", ("flash", "fmha", "attention", "sdpa")),
+    ("attention (SDPA, flash, flex)", ("flash", "fmha", "attention", "sdpa")),
     ("optimizer (AdamW foreach)", ("multi_tensor", "foreach", "adam")),
     ("copies and fills", ("memcpy", "memset", "copy_kernel", "fill_kernel", "cat", "index")),
     ("PyTorch elementwise / reductions", ("at::native", "elementwise", "reduce", "vectorized", "softmax")),

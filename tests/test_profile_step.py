@@ -25,7 +25,7 @@ from scripts.profile_step import NCCL, TRITON, Kernel, category, covered_us
 from tests.helpers import QUICKSTART, TINY_MODEL, assert_refused_before_writing, run_repo_script
 
 MATMUL = "matmul (cuBLAS/CUTLASS)"
-ATTENTION = "attention (SDPA flash)"
+ATTENTION = "attention (SDPA, flash, flex)"
 OPTIMIZER = "optimizer (AdamW foreach)"
 COPIES = "copies and fills"
 ELEMENTWISE = "PyTorch elementwise / reductions"
