@@ -73,6 +73,16 @@ bf16 logits any other value rounds the stored bf16 gradient a second time (≤ 1
 ``reduction="none"`` the stored gradient is per-token unscaled and ``backward`` scales row ``i``
 by ``grad_output[i]``. Backward may run once per forward (the stored gradient is scaled in place).
 
+Custom ops (docs/perf-notes.md, "Custom ops"). The launch is ``ligertune::cross_entropy_fwd``,
+a ``torch.library`` custom op returning (loss, z_loss, token_accuracy, gradient) with a fake
+implementation and an autograd formula, so torch.compile records one node and never traces the
+launch. Its backward, shared with the fused linear cross entropy (`scale_stored_grads`), scales
+the stored gradient in place with ``ligertune::scale_rows_`` (an op declaring the overwrite) in
+eager mode; under torch.compile it multiplies into a fresh tensor, the compiled graph owning its
+buffers, and a second backward is then allowed. ``inplace_backward`` is the mutating op
+``ligertune::cross_entropy_fwd_``, taken in eager mode only; torch.library registers no autograd
+formula for a mutating op, so a small ``autograd.Function`` supplies it there.
+
 Target values outside ``[0, V)`` that are not ``ignore_index``: on CPU tensors they raise a
 ``ValueError`` up front; on a GPU checking them would need a host sync, so the kernel instead
 makes that row's loss NaN, which a training loop's non-finite-loss guard catches.
@@ -310,7 +320,7 @@ def launch_cross_entropy(
     is given (it may be ``logits`` itself) writes ∂ℓ_i/∂x_i · scale_i into it, where ``grad_scale``
     is a 0-d tensor (one scale for all rows) or an [N] tensor (row ``i`` uses element ``i``).
     ``z_grad_scale`` (same forms; ``grad_scale`` when None) scales the z-loss term's part of the
-    gradient instead: the two differ for a class-weighted mean (``z_loss_scale``).
+    gradient instead: the two differ for a class-weighted mean (``reduction_scales``).
     """
     n_rows, n_cols = logits.shape
     if n_rows == 0:
@@ -348,15 +358,17 @@ def launch_cross_entropy(
     )
 
 
-def scale_rows_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+@torch.library.custom_op("ligertune::scale_rows_", mutates_args=("x",))
+def scale_rows_(x: torch.Tensor, scale: torch.Tensor) -> None:
     """``x *= scale`` in place for a contiguous ``x`` viewed as rows of its last dimension.
 
     ``scale`` is a 0-d tensor or one value per row (any stride, e.g. an expanded gradient). Rows
-    whose scale is exactly 1 are left untouched without the host reading the value.
+    whose scale is exactly 1 are left untouched without the host reading the value. A custom op
+    that declares the buffer it overwrites (the eager backward of the losses, `scale_stored_grads`).
     """
     rows = x.view(-1, x.shape[-1])
     if rows.numel() == 0:
-        return x
+        return
     block = min(next_power_of_2(rows.shape[1]), _SCALE_BLOCK)
     _scale_rows_kernel[(rows.shape[0],)](
         rows,
@@ -367,29 +379,34 @@ def scale_rows_(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         BLOCK=block,
         num_warps=num_warps_for(block),
     )
-    return x
 
 
-def reduction_scale(
+@scale_rows_.register_fake
+def _(x, scale):
+    return None
+
+
+def reduction_scales(
     target: torch.Tensor,
     class_weight: torch.Tensor | None,
     opts: CEOptions,
-    num_items_in_batch: int | float | torch.Tensor | None,
+    num_items: torch.Tensor | None,
     n_cols: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, n_valid): the factor the summed loss is multiplied by, and the non-ignored count.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scale, z_scale, n_valid): the factors of the summed cross entropy and of the summed
+    z-loss, and the non-ignored count.
 
-    Both are 0-d fp32 tensors on ``target``'s device, computed without a host sync. The scale is
-    1 for "sum" and "none"; for "mean" it is 1/D (0 when D = 0, see the module docstring).
+    All are 0-d fp32 tensors on ``target``'s device, computed without a host sync; ``num_items``
+    is the count as `count_arg` passes it. The scale is 1 for "sum" and "none"; for "mean" it is
+    1/D (0 when D = 0, see the module docstring). ``z_scale`` is ``scale`` itself, except for a
+    class-weighted mean without ``num_items``, where it is 1/(non-ignored tokens) and ``scale``
+    is 1/Σ w_y (module docstring, "Reductions").
     """
     device = target.device
     valid = target != opts.ignore_index
     n_valid = valid.sum(dtype=torch.float32)
-    if num_items_in_batch is not None:
-        if isinstance(num_items_in_batch, torch.Tensor):
-            denom = num_items_in_batch.to(device=device, dtype=torch.float32).reshape(())
-        else:
-            denom = torch.full((), float(num_items_in_batch), dtype=torch.float32, device=device)
+    if num_items is not None:
+        denom = num_items.to(device=device, dtype=torch.float32).reshape(())
     elif opts.reduction == "mean":
         if class_weight is None:
             denom = n_valid
@@ -398,23 +415,12 @@ def reduction_scale(
             w_y = class_weight.float()[target.clamp(0, n_cols - 1)]
             denom = torch.where(valid, w_y, 0.0).sum()
     else:
-        return torch.ones((), dtype=torch.float32, device=device), n_valid
-    return torch.where(denom > 0, 1.0 / denom, 0.0), n_valid
-
-
-def z_loss_scale(
-    scale: torch.Tensor,
-    n_valid: torch.Tensor,
-    class_weight: torch.Tensor | None,
-    opts: CEOptions,
-    num_items_in_batch,
-) -> torch.Tensor:
-    """The factor of the summed z-loss: ``scale`` (the cross entropy's), except for a
-    class-weighted mean without ``num_items_in_batch``, where it is 1/(non-ignored tokens) and
-    ``scale`` is 1/Σ w_y (module docstring, "Reductions")."""
-    if opts.reduction != "mean" or class_weight is None or num_items_in_batch is not None:
-        return scale
-    return torch.where(n_valid > 0, 1.0 / n_valid.clamp_min(1.0), 0.0)
+        one = torch.ones((), dtype=torch.float32, device=device)
+        return one, one, n_valid
+    scale = torch.where(denom > 0, 1.0 / denom, 0.0)
+    if opts.reduction != "mean" or class_weight is None or num_items is not None:
+        return scale, scale, n_valid
+    return scale, torch.where(n_valid > 0, 1.0 / n_valid.clamp_min(1.0), 0.0), n_valid
 
 
 def reduce_rows(
@@ -422,22 +428,22 @@ def reduce_rows(
     z_rows: torch.Tensor,
     correct_rows: torch.Tensor | None,
     scale: torch.Tensor,
+    z_scale: torch.Tensor,
     n_valid: torch.Tensor,
     opts: CEOptions,
-    z_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(loss, z_loss or None, token_accuracy or None) from the per-row kernel outputs.
 
-    ``loss_rows`` include the z-loss; ``z_scale`` (``scale`` when None) is the z-loss's factor,
-    so the loss is ``scale · Σ ℓ_i + (z_scale − scale) · Σ z_i``."""
+    ``loss_rows`` include the z-loss; ``scale`` and ``z_scale`` as from `reduction_scales`, so the
+    loss is ``scale · Σ ℓ_i + (z_scale − scale) · Σ z_i``."""
     z = z_rows if opts.return_z_loss else None
     if opts.reduction == "none":
         return loss_rows, z, correct_rows
     loss = loss_rows.sum() * scale
-    if z_scale is not None and z_scale is not scale:
+    if z_scale is not scale:
         loss = loss + z_rows.sum() * (z_scale - scale)
     if z is not None:
-        z = z.sum() * (scale if z_scale is None else z_scale)
+        z = z.sum() * z_scale
     acc = None if correct_rows is None else correct_rows.sum() / n_valid.clamp_min(1.0)
     return loss, z, acc
 
@@ -449,42 +455,70 @@ def row_outputs(n_rows: int, device: torch.device, with_accuracy: bool):
     return torch.empty(n_rows, **f32), torch.empty(n_rows, **f32), correct_rows
 
 
-def finish_forward(
-    ctx,
-    rows,
-    scale: torch.Tensor,
-    n_valid: torch.Tensor,
-    opts: CEOptions,
-    z_scale: torch.Tensor | None = None,
-):
-    """The end of an autograd ``forward`` that computed its gradients in the forward pass.
+def op_outputs(like: torch.Tensor, *tensors: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """``tensors`` as a custom op returns them: an absent one (None) as an empty tensor of
+    ``like``'s dtype (an op's outputs are a fixed list of tensors)."""
+    return tuple(like.new_empty(0) if t is None else t for t in tensors)
 
-    Reduces the per-row outputs ``rows`` (as from ``row_outputs``; ``z_scale`` as in
-    ``reduce_rows``), marks z_loss and
-    token_accuracy as non-differentiable (reported values: the z-loss gradient is already part of
-    the loss's) and arms the run-once guard of ``claim_backward``.
+
+def fake_loss_outputs(target: torch.Tensor, reduction: str, return_z_loss: bool, return_token_accuracy: bool):
+    """The fake (loss, z_loss, token_accuracy) of the loss ops: fp32, one value per row for
+    ``reduction="none"`` else 0-d; an output not asked for is empty."""
+    shape = (target.shape[0],) if reduction == "none" else ()
+
+    def f32(wanted: bool) -> torch.Tensor:
+        return target.new_empty(shape if wanted else (0,), dtype=torch.float32)
+
+    return f32(True), f32(return_z_loss), f32(return_token_accuracy)
+
+
+def keep_stored_grads(ctx, name: str, grads, in_place: bool) -> None:
+    """Save the gradients that a forward pass computed (None where not wanted) for
+    `scale_stored_grads`. ``name``: the public function, for the error of a second backward."""
+    ctx.save_for_backward(*grads)
+    ctx.stored_grads_of, ctx.scale_in_place, ctx.backward_done = name, in_place, False
+
+
+def scale_stored_grads(ctx, grad_loss: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The backward of a loss whose gradients were computed in its forward pass (the cross
+    entropy, the fused linear cross entropy, the one-pass group loss): each stored gradient
+    times the incoming ``grad_loss`` (0-d, or one value per row for ``reduction="none"``).
+
+    In eager mode (``in_place``) the gradients are scaled in their own memory by `scale_rows_`,
+    which skips the pass when the scale is exactly 1 (the usual case): no second [N, V], [N, H]
+    or [V, H] buffer. That can happen once: a second backward through the same forward
+    (``retain_graph=True``, or double backward) would scale them twice, so it raises. Under
+    torch.compile the product is a fresh tensor, computed as the kernel does (fp32 product,
+    rounded once to the gradient's dtype): the compiled graph plans its own buffers, inductor
+    fuses the multiply into one pass, and nothing is overwritten, so a second backward is right.
     """
-    loss, z, acc = reduce_rows(*rows, scale, n_valid, opts, z_scale)
-    ctx.backward_done = False
-    ctx.mark_non_differentiable(*(t for t in (z, acc) if t is not None))
-    return loss, z, acc
-
-
-def claim_backward(ctx, name: str) -> None:
-    """Let ``backward`` run once per forward: it scales the stored gradients in place, so a second
-    run (``retain_graph=True`` then backward again, or double backward) would scale them twice."""
+    if not ctx.scale_in_place:
+        scale = grad_loss if grad_loss.dim() == 0 else grad_loss[:, None]
+        return tuple(None if g is None else (g.float() * scale).to(g.dtype) for g in ctx.saved_tensors)
+    # Checked before the saved tensors are read: the first backward bumped their version.
+    name = ctx.stored_grads_of
     if ctx.backward_done:
         raise RuntimeError(
             f"{name}'s backward ran twice: its gradients are computed once and scaled in place; "
             f"retain_graph / double backward are not supported (use {name}_reference for that)"
         )
     ctx.backward_done = True
+    grads = ctx.saved_tensors
+    for g in grads:
+        if g is not None:
+            scale_rows_(g, grad_loss)
+    return grads
 
 
 def package(loss, z_loss, token_accuracy, opts: CEOptions):
-    """The public return convention: the loss alone, or a ``CrossEntropyOutput``."""
+    """The public return convention: the loss alone, or a ``CrossEntropyOutput`` (the outputs
+    not asked for are None)."""
     if opts.return_z_loss or opts.return_token_accuracy:
-        return CrossEntropyOutput(loss, z_loss, token_accuracy)
+        return CrossEntropyOutput(
+            loss,
+            z_loss if opts.return_z_loss else None,
+            token_accuracy if opts.return_token_accuracy else None,
+        )
     return loss
 
 
@@ -527,8 +561,10 @@ def check_options(
         raise ValueError(f"target has dtype {target.dtype}: class indices must be integers (torch.long)")
     if target.device != device:
         raise ValueError(f"target is on {target.device} but the logits are on {device}: move it with .to()")
-    if target.device.type == "cpu" and n_rows > 0:
-        # Checked on CPU only: on a GPU this would be a host sync (the kernel makes such rows NaN).
+    # Values are read by the host only on CPU and outside torch.compile: a read is a host sync on
+    # a GPU (the kernel makes such rows NaN instead) and a graph break under compile.
+    host_reads = not torch.compiler.is_compiling()
+    if target.device.type == "cpu" and n_rows > 0 and host_reads:
         bad = (target != ignore_index) & ((target < 0) | (target >= n_cols))
         if bool(bad.any()):
             raise ValueError(
@@ -554,8 +590,9 @@ def check_options(
                 raise ValueError(
                     f"num_items_in_batch has shape {tuple(count.shape)}: pass one count (0-d tensor or int)"
                 )
-            # Only a count in CPU memory can be checked for free; on the device a count ≤ 0 gives a zero loss.
-            count = count.item() if count.device.type == "cpu" else 1
+            # Only a count in CPU memory can be checked for free; on the device (or under
+            # compile) a count ≤ 0 gives a zero loss.
+            count = count.item() if count.device.type == "cpu" and host_reads else 1
         if not isinstance(count, numbers.Real) or not count > 0:
             raise ValueError(
                 f"num_items_in_batch={num_items_in_batch!r}: must be a positive number or a 0-d tensor"
@@ -571,12 +608,20 @@ def check_options(
     )
 
 
-def host_count(num_items_in_batch):
-    """A count held in CPU memory becomes a Python number: copying it to the GPU from pageable
-    memory would wait for the stream. A count already on the device stays there."""
-    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.device.type == "cpu":
-        return num_items_in_batch.item()
-    return num_items_in_batch
+def count_arg(num_items_in_batch, device: torch.device) -> torch.Tensor | None:
+    """``num_items_in_batch`` as the loss ops take it: None, or a tensor on ``device``.
+
+    A count in device memory, or in CPU memory for CPU logits, stays as it is (no host sync;
+    under torch.compile, no graph break). A Python number, or a count in CPU memory for GPU
+    logits, is filled on the device from the host's value: copying it from pageable memory
+    would wait for the stream.
+    """
+    count = num_items_in_batch
+    if count is None or (isinstance(count, torch.Tensor) and (count.device == device or count.is_cuda)):
+        return count
+    if isinstance(count, torch.Tensor):
+        count = count.item()
+    return torch.full((), float(count), dtype=torch.float32, device=device)
 
 
 def _logits_options(logits: torch.Tensor, target, weight, **options) -> CEOptions:
@@ -591,43 +636,168 @@ def _logits_options(logits: torch.Tensor, target, weight, **options) -> CEOption
 
 
 # --------------------------------------------------------------------------------------------
-# autograd
+# Custom ops and their autograd (the scaling backward is shared with the fused linear CE)
 # --------------------------------------------------------------------------------------------
+# Each launch is a ``torch.library`` custom op: torch.compile records one node with a fake
+# implementation and an autograd formula, never the launch code. The options are the CEOptions
+# fields in order, flattened into scalar arguments, and the count a tensor (`count_arg`). Ops never
+# return an alias of an input: the forward writing the gradient over the logits is its own op,
+# declaring the overwrite, used in eager mode only (docs/perf-notes.md, "Custom ops").
 
 
-class _CrossEntropyFunction(torch.autograd.Function):
+def _launch_and_reduce(logits, target, class_weight, num_items, opts: CEOptions, grad):
+    """(loss, z_loss, token_accuracy) of the logits as the ops return them; the gradient, times
+    the reduction's factor (per token unscaled for "none"), written into ``grad`` unless None."""
+    scale, z_scale, n_valid = reduction_scales(target, class_weight, opts, num_items, logits.shape[1])
+    rows = row_outputs(logits.shape[0], logits.device, opts.return_token_accuracy)
+    launch_cross_entropy(
+        logits,
+        target,
+        class_weight,
+        opts,
+        loss_rows=rows[0],
+        z_rows=rows[1],
+        correct_rows=rows[2],
+        grad=grad,
+        grad_scale=scale,
+        z_grad_scale=z_scale,
+    )
+    return op_outputs(rows[0], *reduce_rows(*rows, scale, z_scale, n_valid, opts))
+
+
+@torch.library.custom_op("ligertune::cross_entropy_fwd", mutates_args=())
+def _cross_entropy_fwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    num_items: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float | None,
+    reduction: str,
+    return_z_loss: bool,
+    return_token_accuracy: bool,
+    compute_grad: bool,
+    scale_in_place: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, z_loss, token_accuracy, grad)``, those not asked for empty. ``grad`` is the
+    gradient of the loss w.r.t. the logits (per token for "none"), kept for the backward.
+    ``scale_in_place`` is not used here: it is an input so that the autograd formula (which sees
+    the op's inputs) knows whether the backward may overwrite ``grad``."""
+    opts = CEOptions(
+        ignore_index,
+        label_smoothing,
+        lse_square_scale,
+        softcap,
+        reduction,
+        return_z_loss,
+        return_token_accuracy,
+    )
+    grad = torch.empty_like(logits) if compute_grad else None
+    return *_launch_and_reduce(logits, target, class_weight, num_items, opts, grad), *op_outputs(logits, grad)
+
+
+@_cross_entropy_fwd.register_fake
+def _(
+    logits,
+    target,
+    class_weight,
+    num_items,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    reduction,
+    return_z_loss,
+    return_token_accuracy,
+    compute_grad,
+    scale_in_place,
+):
+    grad = torch.empty_like(logits) if compute_grad else logits.new_empty(0)
+    return *fake_loss_outputs(target, reduction, return_z_loss, return_token_accuracy), grad
+
+
+def _cross_entropy_setup(ctx, inputs, output):
+    compute_grad, scale_in_place = inputs[-2:]
+    _, z, acc, grad = output
+    # z_loss and token_accuracy are reported values (the z-loss's gradient is part of the loss's);
+    # outputs without a gradient get None in backward instead of materialised zeros.
+    ctx.mark_non_differentiable(z, acc, grad)
+    ctx.set_materialize_grads(False)
+    keep_stored_grads(ctx, "cross_entropy", [grad if compute_grad else None], scale_in_place)
+
+
+def _cross_entropy_backward(ctx, grad_loss, _grad_z, _grad_acc, _grad_grad):
+    (grad,) = scale_stored_grads(ctx, grad_loss)
+    return grad, *(None,) * 12
+
+
+_cross_entropy_fwd.register_autograd(_cross_entropy_backward, setup_context=_cross_entropy_setup)
+
+
+@torch.library.custom_op("ligertune::cross_entropy_fwd_", mutates_args=("logits",))
+def _cross_entropy_fwd_(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    num_items: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float | None,
+    reduction: str,
+    return_z_loss: bool,
+    return_token_accuracy: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, z_loss, token_accuracy)`` as `_cross_entropy_fwd`, the gradient written over
+    ``logits`` (``inplace_backward``: no second [N, V] buffer)."""
+    opts = CEOptions(
+        ignore_index,
+        label_smoothing,
+        lse_square_scale,
+        softcap,
+        reduction,
+        return_z_loss,
+        return_token_accuracy,
+    )
+    return _launch_and_reduce(logits, target, class_weight, num_items, opts, logits)
+
+
+@_cross_entropy_fwd_.register_fake
+def _(
+    logits,
+    target,
+    class_weight,
+    num_items,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    reduction,
+    return_z_loss,
+    return_token_accuracy,
+):
+    return fake_loss_outputs(target, reduction, return_z_loss, return_token_accuracy)
+
+
+class _GradOverLogits(torch.autograd.Function):
+    """The autograd of `_cross_entropy_fwd_`. ``register_autograd`` takes no formula for an op
+    that mutates its inputs, and a functional op may not hand back its input's memory as the
+    gradient; torch's advice for a mutating op is an autograd.Function around it. It runs in
+    eager mode only (`cross_entropy` takes it outside compilation), so dynamo never traces it."""
+
     @staticmethod
-    def forward(ctx, logits, target, class_weight, opts, num_items, inplace, grad_enabled):
-        compute_grad = grad_enabled and ctx.needs_input_grad[0]
-        n_rows, n_cols = logits.shape
-        scale, n_valid = reduction_scale(target, class_weight, opts, num_items, n_cols)
-        z_scale = z_loss_scale(scale, n_valid, class_weight, opts, num_items)
-        loss_rows, z_rows, correct_rows = row_outputs(n_rows, logits.device, opts.return_token_accuracy)
-        grad = None
-        if compute_grad:
-            grad = logits if inplace else torch.empty_like(logits)
-        # "none" stores the unscaled per-token gradient; backward applies grad_output row by row.
-        launch_cross_entropy(
-            logits,
-            target,
-            class_weight,
-            opts,
-            loss_rows=loss_rows,
-            z_rows=z_rows,
-            correct_rows=correct_rows,
-            grad=grad,
-            grad_scale=scale,
-            z_grad_scale=z_scale,
-        )
-        ctx.save_for_backward(grad)
-        return finish_forward(ctx, (loss_rows, z_rows, correct_rows), scale, n_valid, opts, z_scale)
+    def forward(ctx, logits, *args):
+        loss, z, acc = _cross_entropy_fwd_(logits, *args)
+        ctx.mark_non_differentiable(z, acc)
+        keep_stored_grads(ctx, "cross_entropy", [logits], in_place=True)
+        return loss, z, acc
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_z, _grad_acc):
-        claim_backward(ctx, "cross_entropy")
-        (grad,) = ctx.saved_tensors
-        scale_rows_(grad, grad_loss)
-        return grad, None, None, None, None, None, None
+        (grad,) = scale_stored_grads(ctx, grad_loss)
+        return grad, *(None,) * 10
 
 
 # --------------------------------------------------------------------------------------------
@@ -664,6 +834,7 @@ def cross_entropy(
         return_z_loss, return_token_accuracy: also return these (as a ``CrossEntropyOutput``).
         inplace_backward: write the gradient over ``logits`` (saves an [N, V] buffer). Only when
             nothing else will read the logits afterwards — autograd cannot detect the overwrite.
+            Ignored under torch.compile, whose graph owns its buffers.
 
     Returns:
         The fp32 loss, or ``CrossEntropyOutput(loss, z_loss, token_accuracy)`` when a return flag is set.
@@ -685,15 +856,19 @@ def cross_entropy(
         return reference_loss(logits, target, weight, opts, num_items_in_batch)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    loss, z, acc = _CrossEntropyFunction.apply(
-        logits,
+    args = (
         target.contiguous(),
         None if weight is None else weight.contiguous(),
-        opts,
-        host_count(num_items_in_batch),
-        inplace_backward,
-        torch.is_grad_enabled(),
+        count_arg(num_items_in_batch, logits.device),
+        *opts,
     )
+    compute_grad = torch.is_grad_enabled() and logits.requires_grad
+    # Under torch.compile nothing is overwritten: the compiled graph owns its buffers.
+    eager = not torch.compiler.is_compiling()
+    if inplace_backward and compute_grad and eager:
+        loss, z, acc = _GradOverLogits.apply(logits, *args)
+    else:
+        loss, z, acc, _ = _cross_entropy_fwd(logits, *args, compute_grad, eager)
     return package(loss, z, acc, opts)
 
 

@@ -47,6 +47,14 @@ caller can run it inside the lm_head module's own forward, where FSDP2 / ZeRO-3 
 weight gathered; a weight tied to the embedding gets its two gradient contributions summed by
 autograd as usual. Under autocast, hidden/weight/bias are cast to the autocast dtype first, like
 ``F.linear`` would.
+
+Custom ops (docs/perf-notes.md, "Custom ops"). The sweep is ``ligertune::fused_linear_cross_entropy_fwd``,
+returning (loss, z_loss, token_accuracy, dh, dW, db) with a fake implementation and an autograd
+formula, so torch.compile records one node and never traces the chunk loop. Its backward is the
+cross entropy's (`scale_stored_grads`): the stored gradients scaled in place in eager mode, at
+most once per forward; a fresh product under compile. The deferred ``reduction="none"``
+backward is ``ligertune::fused_linear_cross_entropy_bwd``; it computes fresh gradients from the
+saved inputs, so it may run more than once.
 """
 
 from __future__ import annotations
@@ -62,16 +70,17 @@ from ._utils import use_triton
 from .cross_entropy import (
     CEOptions,
     check_options,
-    claim_backward,
-    finish_forward,
-    host_count,
+    count_arg,
+    fake_loss_outputs,
+    keep_stored_grads,
     launch_cross_entropy,
+    op_outputs,
     package,
-    reduction_scale,
+    reduce_rows,
+    reduction_scales,
     reference_loss,
     row_outputs,
-    scale_rows_,
-    z_loss_scale,
+    scale_stored_grads,
 )
 
 __all__ = [
@@ -275,63 +284,203 @@ def _sweep(
     return (loss_rows, z_rows, correct_rows), (dh, dw, db)
 
 
-class _FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx, hidden, weight, target, bias, class_weight, opts, num_items, accum_dtype, budget, grad_enabled
-    ):
-        needs = ctx.needs_input_grad
-        want = (
-            grad_enabled and needs[0],
-            grad_enabled and needs[1],
-            grad_enabled and bias is not None and needs[3],
-        )
-        scale, n_valid = reduction_scale(target, class_weight, opts, num_items, weight.shape[0])
-        z_scale = z_loss_scale(scale, n_valid, class_weight, opts, num_items)
-        deferred = opts.reduction == "none" and any(want)
-        rows, grads = _sweep(
-            hidden,
-            weight,
-            bias,
-            target,
-            class_weight,
-            opts,
-            grad_scale=None if deferred else scale,
-            z_grad_scale=None if deferred else z_scale,
-            want_grads=want,
-            compute_acc=opts.return_token_accuracy,
-            accum_dtype=accum_dtype,
-            budget=budget,
-        )
-        ctx.deferred = deferred
-        if deferred:
-            ctx.save_for_backward(hidden, weight, target, bias, class_weight)
-            ctx.sweep_args = dict(opts=opts, want_grads=want, accum_dtype=accum_dtype, budget=budget)
-        else:
-            ctx.save_for_backward(*grads)
-        return finish_forward(ctx, rows, scale, n_valid, opts, z_scale)
+# --------------------------------------------------------------------------------------------
+# Custom ops and their autograd
+# --------------------------------------------------------------------------------------------
+# As in cross_entropy.py: one torch.compile node per launch, the CEOptions fields flattened into
+# scalar arguments, the count a tensor (`count_arg`), no output aliasing an input.
 
-    @staticmethod
-    def backward(ctx, grad_loss, _grad_z, _grad_acc):
-        claim_backward(ctx, "fused_linear_cross_entropy")
-        if ctx.deferred:
-            hidden, weight, target, bias, class_weight = ctx.saved_tensors
-            _, (dh, dw, db) = _sweep(
-                hidden,
-                weight,
-                bias,
-                target,
-                class_weight,
-                grad_scale=grad_loss,
-                compute_acc=False,
-                **ctx.sweep_args,
-            )
-        else:
-            dh, dw, db = ctx.saved_tensors
-            for g in (dh, dw, db):
-                if g is not None:
-                    scale_rows_(g, grad_loss)
-        return dh, dw, None, db, None, None, None, None, None, None
+
+def _fake_linear_grads(hidden, weight, bias, want_dh: bool, want_dw: bool, want_db: bool):
+    """The fake ``(dh, dw, db)`` of the ops: each of its parameter's shape and dtype (dW and db
+    are rounded to them at the end of the sweep), empty when not wanted."""
+    dh = torch.empty_like(hidden) if want_dh else None
+    dw = weight.new_empty(weight.shape) if want_dw else None
+    db = bias.new_empty(bias.shape) if want_db else None
+    return op_outputs(hidden, dh, dw, db)
+
+
+@torch.library.custom_op("ligertune::fused_linear_cross_entropy_fwd", mutates_args=())
+def _fused_linear_cross_entropy_fwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    num_items: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float | None,
+    reduction: str,
+    return_z_loss: bool,
+    return_token_accuracy: bool,
+    want_dh: bool,
+    want_dw: bool,
+    want_db: bool,
+    accum_dtype: torch.dtype,
+    budget: int,
+    scale_in_place: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, z_loss, token_accuracy, dh, dw, db)``, those not asked for empty; the gradients
+    (``want_*``) are kept for the backward. With ``reduction="none"`` none is computed here: the
+    backward redoes the sweep (`_fused_linear_cross_entropy_bwd`). ``scale_in_place`` is not
+    used here: an input so that the autograd formula knows whether the backward may overwrite
+    the gradients."""
+    opts = CEOptions(
+        ignore_index,
+        label_smoothing,
+        lse_square_scale,
+        softcap,
+        reduction,
+        return_z_loss,
+        return_token_accuracy,
+    )
+    scale, z_scale, n_valid = reduction_scales(target, class_weight, opts, num_items, weight.shape[0])
+    deferred = reduction == "none"
+    rows, grads = _sweep(
+        hidden,
+        weight,
+        bias,
+        target,
+        class_weight,
+        opts,
+        grad_scale=None if deferred else scale,
+        z_grad_scale=None if deferred else z_scale,
+        want_grads=(want_dh, want_dw, want_db),
+        compute_acc=return_token_accuracy,
+        accum_dtype=accum_dtype,
+        budget=budget,
+    )
+    loss_outputs = op_outputs(rows[0], *reduce_rows(*rows, scale, z_scale, n_valid, opts))
+    return *loss_outputs, *op_outputs(hidden, *grads)
+
+
+@_fused_linear_cross_entropy_fwd.register_fake
+def _(
+    hidden,
+    weight,
+    target,
+    bias,
+    class_weight,
+    num_items,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    reduction,
+    return_z_loss,
+    return_token_accuracy,
+    want_dh,
+    want_dw,
+    want_db,
+    accum_dtype,
+    budget,
+    scale_in_place,
+):
+    losses = fake_loss_outputs(target, reduction, return_z_loss, return_token_accuracy)
+    if reduction == "none":
+        want_dh = want_dw = want_db = False
+    return *losses, *_fake_linear_grads(hidden, weight, bias, want_dh, want_dw, want_db)
+
+
+@torch.library.custom_op("ligertune::fused_linear_cross_entropy_bwd", mutates_args=())
+def _fused_linear_cross_entropy_bwd(
+    grad_loss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    lse_square_scale: float,
+    softcap: float | None,
+    want_dh: bool,
+    want_dw: bool,
+    want_db: bool,
+    accum_dtype: torch.dtype,
+    budget: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dh, dw, db)`` of ``reduction="none"`` (module docstring): the sweep again, with the
+    upstream ``grad_loss[i]`` as row i's scale in the CE kernel; a gradient not wanted is empty."""
+    opts = CEOptions(ignore_index, label_smoothing, lse_square_scale, softcap, "none", False, False)
+    _, grads = _sweep(
+        hidden,
+        weight,
+        bias,
+        target,
+        class_weight,
+        opts,
+        grad_scale=grad_loss,
+        want_grads=(want_dh, want_dw, want_db),
+        compute_acc=False,
+        accum_dtype=accum_dtype,
+        budget=budget,
+    )
+    return op_outputs(hidden, *grads)
+
+
+@_fused_linear_cross_entropy_bwd.register_fake
+def _(
+    grad_loss,
+    hidden,
+    weight,
+    target,
+    bias,
+    class_weight,
+    ignore_index,
+    label_smoothing,
+    lse_square_scale,
+    softcap,
+    want_dh,
+    want_dw,
+    want_db,
+    accum_dtype,
+    budget,
+):
+    return _fake_linear_grads(hidden, weight, bias, want_dh, want_dw, want_db)
+
+
+def _wanted(grads, want) -> list[torch.Tensor | None]:
+    """The ops' ``(dh, dw, db)`` with None for a gradient not wanted (the op's empty stand-in)."""
+    return [g if w else None for g, w in zip(grads, want, strict=True)]
+
+
+def _fused_linear_cross_entropy_setup(ctx, inputs, output):
+    hidden, weight, target, bias, class_weight, _, *options = inputs
+    *kernel_opts, reduction, _, _, want_dh, want_dw, want_db, accum_dtype, budget, scale_in_place = options
+    _, z, acc, *grads = output
+    # As in cross_entropy.py: reported values and stored gradients are not differentiable, and
+    # get None in backward rather than materialised zeros (a [V, H] one for dw).
+    ctx.mark_non_differentiable(z, acc, *grads)
+    ctx.set_materialize_grads(False)
+    want = (want_dh, want_dw, want_db)
+    ctx.deferred = reduction == "none"
+    if ctx.deferred:
+        ctx.save_for_backward(hidden, weight, target, bias, class_weight)
+        ctx.sweep_args = (*kernel_opts, *want, accum_dtype, budget)
+        ctx.want = want
+    else:
+        keep_stored_grads(ctx, "fused_linear_cross_entropy", _wanted(grads, want), scale_in_place)
+
+
+def _fused_linear_cross_entropy_backward(ctx, grad_loss, *_):
+    if ctx.deferred:
+        # Fresh gradients from the saved inputs: nothing is overwritten, a second backward is fine.
+        hidden, weight, target, bias, class_weight = ctx.saved_tensors
+        grads = _fused_linear_cross_entropy_bwd(
+            grad_loss, hidden, weight, target, bias, class_weight, *ctx.sweep_args
+        )
+        dh, dw, db = _wanted(grads, ctx.want)
+    else:
+        dh, dw, db = scale_stored_grads(ctx, grad_loss)
+    return dh, dw, None, db, *(None,) * 15
+
+
+_fused_linear_cross_entropy_fwd.register_autograd(
+    _fused_linear_cross_entropy_backward, setup_context=_fused_linear_cross_entropy_setup
+)
 
 
 def _check_linear(hidden, weight, bias, accum_dtype, memory_budget_bytes):
@@ -442,18 +591,23 @@ def fused_linear_cross_entropy(
     )
     if not use_triton(hidden, weight):
         return _linear_reference(hidden, weight, target, bias, class_weight, opts, num_items_in_batch)
+    grad_enabled = torch.is_grad_enabled()
     with torch.autocast(device_type, enabled=False):
-        loss, z, acc = _FusedLinearCrossEntropyFunction.apply(
+        loss, z, acc, *_ = _fused_linear_cross_entropy_fwd(
             hidden.contiguous(),
             weight,
             target.contiguous(),
             bias,
             None if class_weight is None else class_weight.contiguous(),
-            opts,
-            host_count(num_items_in_batch),
+            count_arg(num_items_in_batch, hidden.device),
+            *opts,
+            grad_enabled and hidden.requires_grad,
+            grad_enabled and weight.requires_grad,
+            grad_enabled and bias is not None and bias.requires_grad,
             accum_dtype,
             memory_budget_bytes or DEFAULT_MEMORY_BUDGET_BYTES,
-            torch.is_grad_enabled(),
+            # Under torch.compile nothing is overwritten: the compiled graph owns its buffers.
+            not torch.compiler.is_compiling(),
         )
     return package(loss, z, acc, opts)
 

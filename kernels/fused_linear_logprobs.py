@@ -42,6 +42,8 @@ once the log-probs it depends on are. Two ways through, both here:
   above the default budget, which then does not bound the buffer), and the hidden states'
   gradient, [N, H] in the input dtype, is held from forward to backward (32 MiB at 8192 tokens
   × 2048 in bf16), as the fp32 dW accumulator is (V × H × 4 bytes) unless one chunk suffices.
+  This mode stays a ``torch.autograd.Function``, not a ``ligertune::`` custom op like the fused
+  cross entropy's, because its ``GroupLoss`` carries a Python callable, which no op schema can take.
 
 ``fused_linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_weight,
 target)`` → the distillation loss summed over label tokens and divided by ``num_items``:
@@ -76,7 +78,7 @@ import torch
 import torch.nn.functional as F
 
 from ._utils import use_triton
-from .cross_entropy import CEOptions, claim_backward, launch_cross_entropy, row_outputs, scale_rows_
+from .cross_entropy import CEOptions, keep_stored_grads, launch_cross_entropy, row_outputs, scale_stored_grads
 from .fused_linear_cross_entropy import (
     DEFAULT_MEMORY_BUDGET_BYTES,
     _accumulate_linear_grads,
@@ -343,19 +345,13 @@ class _GroupedLogprobsFunction(torch.autograd.Function):
         (loss, row_logps, extras), grads = _grouped_sweep(
             hidden, weight, bias, target, group_loss, opts, want, budget
         )
-        ctx.save_for_backward(*grads)
-        ctx.backward_done = False
+        keep_stored_grads(ctx, "fused_linear_logprobs", grads, in_place=True)
         ctx.mark_non_differentiable(row_logps)
         return loss, row_logps, extras  # extras: a dict, passed through by autograd untouched
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_rows, _grad_extras):
-        claim_backward(ctx, "fused_linear_logprobs")
-        grads = ctx.saved_tensors
-        for g in grads:
-            if g is not None:
-                scale_rows_(g, grad_loss)
-        return *grads, None, None, None, None, None
+        return *scale_stored_grads(ctx, grad_loss), None, None, None, None, None
 
 
 def _grouped_logprobs(hidden, weight, target, bias, group_loss, ignore_index, softcap, memory_budget_bytes):

@@ -26,6 +26,8 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 import ligertune.kernels._utils as kernel_utils
+from ligertune.kernels import cross_entropy as ce_kernel
+from ligertune.kernels import fused_linear_cross_entropy as flce_kernel
 from ligertune.kernels import layer_norm as ln_kernel
 from ligertune.kernels import rms_norm as rms_kernel
 from ligertune.kernels import rope as rope_kernel
@@ -61,8 +63,9 @@ class GraphRecorder:
         self.graphs.append(gm)
         return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
 
-    def targets(self) -> set:
-        return {node.target for gm in self.graphs for node in gm.graph.nodes if node.op == "call_function"}
+    def targets(self) -> list:
+        """What each call node calls, once per node."""
+        return [node.target for gm in self.graphs for node in gm.graph.nodes if node.op == "call_function"]
 
 
 def leaves(tensors: list[torch.Tensor], differentiable: int) -> list[torch.Tensor]:
@@ -89,6 +92,58 @@ def cases():
         normed, new_res = rms_kernel.add_rms_norm(x, res, w, 1e-6, 1.0, "gemma")
         return normed * new_res
 
+    # The losses: every option, a tensor count (an op input, never read by the host), the
+    # reported values stacked after the loss (they take no gradient), ignored targets.
+    target = torch.tensor([3, -100, 7, 39, 0, 12, -100])
+    class_weight, count = 0.5 + torch.rand(40), torch.tensor(9)
+    options = dict(label_smoothing=0.1, lse_square_scale=1e-3, softcap=5.0, return_z_loss=True)
+    budget = 3 * 40 * 4  # three fp32 rows of logits per chunk: three chunks, dW summed over them
+    logits, hidden, lm_head, lm_bias = (
+        torch.randn(7, 40),
+        torch.randn(7, 16),
+        torch.randn(40, 16),
+        torch.randn(40),
+    )
+
+    def ce(logits):
+        out = ce_kernel.cross_entropy(
+            3.0 * logits,
+            target,
+            weight=class_weight,
+            num_items_in_batch=count,
+            return_token_accuracy=True,
+            inplace_backward=True,
+            **options,
+        )
+        return torch.stack(list(out))
+
+    def ce_none(logits):
+        out = ce_kernel.cross_entropy(
+            3.0 * logits, target, reduction="none", inplace_backward=True, **options
+        )
+        return torch.cat([out.loss, out.z_loss])
+
+    def flce(hidden, weight, bias):
+        out = flce_kernel.fused_linear_cross_entropy(
+            hidden,
+            weight,
+            target,
+            bias,
+            class_weight=class_weight,
+            num_items_in_batch=count,
+            return_token_accuracy=True,
+            memory_budget_bytes=budget,
+            **options,
+        )
+        return torch.stack(list(out))
+
+    def flce_none(hidden, weight):
+        # The deferred path: losses in the forward, the sweep again in backward.
+        out = flce_kernel.fused_linear_cross_entropy(
+            hidden, weight, target, reduction="none", return_token_accuracy=True, memory_budget_bytes=budget
+        )
+        return torch.cat([out.loss, out.token_accuracy])
+
     return [
         ("rms_norm", lambda x, w: rms_kernel.rms_norm(x, w, 1e-6, in_place=True), [x, w], ops.rms_norm_fwd),
         ("add_rms_norm", add_norm, [x, res, w], ops.add_rms_norm_fwd),
@@ -106,13 +161,18 @@ def cases():
             [gate_up],
             ops.gated_act_fwd,
         ),
+        ("cross_entropy", ce, [logits], ops.cross_entropy_fwd),
+        ("cross_entropy_none", ce_none, [logits], ops.cross_entropy_fwd),
+        ("fused_linear_cross_entropy", flce, [hidden, lm_head, lm_bias], ops.fused_linear_cross_entropy_fwd),
+        ("fused_linear_cross_entropy_none", flce_none, [hidden, lm_head], ops.fused_linear_cross_entropy_fwd),
     ]
 
 
 @pytest.mark.parametrize("case", range(len(cases())), ids=[c[0] for c in cases()])
 def test_functional_api_compiles_to_one_graph(case, path):
     """fullgraph compile of each functional API (with its in-place options on, which compile must
-    drop): same forward and gradients as eager, and on the Triton path the kernel is one op node."""
+    drop): same forward and gradients as eager, and on the Triton path the kernel is one op node
+    and no op that overwrites its input is in the graph."""
     _, fn, inputs, op = cases()[case]
     differentiable = 2 if fn.__name__ == "rope_sum" else len(inputs)  # cos/sin get no gradient
     eager_in, compiled_in = leaves(inputs, differentiable), leaves(inputs, differentiable)
@@ -130,8 +190,11 @@ def test_functional_api_compiles_to_one_graph(case, path):
         if b.grad is not None:
             assert torch.equal(a.grad, b.grad)
     assert len(recorder.graphs) == 1
-    recorded = op.default in recorder.targets()
-    assert recorded == (path == "triton"), f"{op} in the graph: {recorded} on the {path} path"
+    targets = recorder.targets()
+    recorded = targets.count(op.default)
+    assert recorded == (path == "triton"), f"{op} in the graph {recorded} times on the {path} path"
+    mutating = [t for t in targets if isinstance(t, torch._ops.OpOverload) and t._schema.is_mutable]
+    assert not [t for t in mutating if t.namespace == "ligertune"], mutating
 
 
 def _opcheck_cases():
@@ -142,6 +205,19 @@ def _opcheck_cases():
     q, k = torch.randn(2, 6, 3, 16).transpose(1, 2), torch.randn(2, 2, 6, 16)
     cos, sin = torch.randn(1, 6, 12), torch.randn(2, 6, 12)
     gate, up = torch.randn(2, 3, 40).chunk(2, -1)
+    logits, hidden, lm_head, lm_bias = (
+        torch.randn(5, 24),
+        torch.randn(5, 8),
+        torch.randn(24, 8),
+        torch.randn(24),
+    )
+    target, class_weight, count = torch.tensor([3, -100, 23, 0, 9]), 0.5 + torch.rand(24), torch.tensor(4.0)
+    ce_options = (-100, 0.1, 1e-3, 5.0)  # ignore_index, label_smoothing, lse_square_scale, softcap
+    plain_ce = (-100, 0.0, 0.0, None)
+    budget = 2 * 24 * 4  # two rows per chunk: three chunks
+    # The loss ops run with scale_in_place=False, as under compile: in eager mode their backward
+    # scales a forward output in place, which the AOTAutograd check cannot express (the kernel
+    # tests run that backward; `scale_rows_` is checked here on its own).
     grad = lambda *ts: [t.clone().requires_grad_() for t in ts]  # noqa: E731
     return {
         "rms_norm_fwd": (ops.rms_norm_fwd, (*grad(x, w), 1e-6, 0.0, "llama", False)),
@@ -161,6 +237,72 @@ def _opcheck_cases():
         "gated_act_fwd": (ops.gated_act_fwd, (*grad(gate, up), "silu", False)),
         "gated_act_bwd": (ops.gated_act_bwd, (gate.contiguous(), gate, up, "gelu_tanh")),
         "gated_act_bwd_": (ops.gated_act_bwd_, (gate.contiguous(), gate.clone(), up.clone(), "silu")),
+        "cross_entropy_fwd": (
+            ops.cross_entropy_fwd,
+            (*grad(logits), target, class_weight, count, *ce_options, "mean", True, True, True, False),
+        ),
+        "cross_entropy_fwd_none": (
+            ops.cross_entropy_fwd,
+            (*grad(logits), target, None, None, *plain_ce, "none", False, True, True, False),
+        ),
+        "cross_entropy_fwd_": (
+            ops.cross_entropy_fwd_,
+            (logits.clone(), target, class_weight, None, *ce_options, "sum", True, False),
+        ),
+        "scale_rows_": (ops.scale_rows_, (logits.clone(), torch.randn(5))),
+        "fused_linear_cross_entropy_fwd": (
+            ops.fused_linear_cross_entropy_fwd,
+            (
+                *grad(hidden, lm_head),
+                target,
+                *grad(lm_bias),
+                class_weight,
+                count,
+                *ce_options,
+                "mean",
+                True,
+                True,
+                *(True, True, True),  # want dh, dW, db
+                torch.float32,
+                budget,
+                False,
+            ),
+        ),
+        "fused_linear_cross_entropy_fwd_none": (
+            ops.fused_linear_cross_entropy_fwd,
+            (
+                *grad(hidden, lm_head),
+                target,
+                None,
+                None,
+                None,
+                *plain_ce,
+                "none",
+                False,
+                False,
+                *(True, True, False),
+                torch.float32,
+                budget,
+                False,
+            ),
+        ),
+        "fused_linear_cross_entropy_bwd": (
+            ops.fused_linear_cross_entropy_bwd,
+            (
+                torch.randn(5),
+                hidden,
+                lm_head,
+                target,
+                lm_bias,
+                None,
+                *ce_options,
+                True,
+                False,
+                True,
+                torch.float32,
+                budget,
+            ),
+        ),
     }
 
 
@@ -170,6 +312,22 @@ def test_opcheck(name):
     fake implementation against the real one (shapes, dtypes, strides), autograd registration."""
     op, args = _opcheck_cases()[name]
     torch.library.opcheck(op, args)
+
+
+def test_compiled_loss_backward_may_run_twice():
+    """Compiled, the losses' backward multiplies the stored gradient into a fresh tensor (eager
+    mode scales it in place and refuses a second backward: tests/kernels/test_cross_entropy.py),
+    so a retained graph's second backward adds the same gradient again."""
+    torch._dynamo.reset()
+    x = torch.randn(4, 30, requires_grad=True)
+    target = torch.tensor([1, 5, -100, 29])
+    loss = torch.compile(
+        lambda x: ce_kernel.cross_entropy(2.0 * x, target), backend="aot_eager", fullgraph=True
+    )(x)
+    loss.backward(retain_graph=True)
+    once = x.grad.clone()
+    loss.backward()
+    assert torch.equal(x.grad, 2 * once)
 
 
 def test_rope_scope_is_its_own_module():

@@ -84,3 +84,41 @@ def test_compiled_kernels_match_eager(model_type, monkeypatch):
     assert LAYER_OPS <= called, f"ligertune ops in the compiled graphs: {sorted(called)}"
     for step, (a, b) in enumerate(zip(compiled_losses, eager_losses, strict=True)):
         assert abs(a - b) <= TOL * abs(b), f"step {step}: compiled {a} vs eager {b}"
+
+
+# At H 1024 and a 1024-row budget, 2048 rows take one chunk (its buffer is no larger than the fp32
+# dW accumulator it saves) and 4096 rows four (kernels/fused_linear_cross_entropy.py, sweep_rows).
+@pytest.mark.parametrize("n_rows", [2048, 4096])
+def test_loss_ops_compile_with_inductor(n_rows):
+    """The cross entropy and the fused linear cross entropy as custom ops under the default
+    inductor backend with ``fullgraph=True`` (a graph break is an error), in bf16 at an lm_head
+    size: loss and gradients equal to the same functions run eagerly. Only the backward's
+    scaling differs (in place in eager, an inductor multiply under compile), and the upstream
+    gradient is 1, so both leave the stored gradients as computed: bit-identical."""
+    from ligertune.kernels.cross_entropy import cross_entropy
+    from ligertune.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy
+    from tests.kernels.helpers import fresh_randn
+
+    torch._dynamo.reset()
+    n_hidden, n_cols = 1024, 32000
+    budget = 1024 * n_cols * 2
+    hidden = fresh_randn(n_rows, n_hidden, dtype=torch.bfloat16, device="cuda")
+    weight = fresh_randn(n_cols, n_hidden, dtype=torch.bfloat16, device="cuda", scale=0.02)
+    target = torch.randint(0, n_cols, (n_rows,), device="cuda")
+    target[::7] = -100
+
+    def flce(h, w):
+        return fused_linear_cross_entropy(h, w, target, label_smoothing=0.1, memory_budget_bytes=budget)
+
+    def ce(h, w):
+        return cross_entropy(h @ w.t(), target, lse_square_scale=1e-4)
+
+    for fn in (flce, ce):
+        results = []
+        for run in (fn, torch.compile(fn, fullgraph=True)):
+            h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+            loss = run(h, w)
+            loss.backward()
+            results.append((loss.detach(), h.grad, w.grad))
+        for eager_t, compiled_t in zip(*results, strict=True):
+            assert torch.equal(eager_t, compiled_t), fn.__name__

@@ -3,6 +3,7 @@ what autograd really saves (measured on CPU), and on the GPU against the measure
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from dataclasses import replace
@@ -438,8 +439,14 @@ def test_plan_predicts_the_measured_peak_on_gpu(tmp_path, kernels, checkpointing
         f"output_dir={tmp_path}",
     ]
     recipe = load_recipe(QUICKSTART, overrides)
+    # The run's peak counts every live tensor of the process, and earlier GPU tests in this
+    # process leave some (0.25 GiB after the kernel tests): the plan predicts the run's own.
+    gc.collect()
+    left_over = torch.cuda.memory_allocated() / GIB
     train(recipe)
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    measured = max(r["peak_mem_allocated_gib"] for r in records if r.get("peak_mem_allocated_gib"))
+    measured = (
+        max(r["peak_mem_allocated_gib"] for r in records if r.get("peak_mem_allocated_gib")) - left_over
+    )
     predicted = estimate(recipe_shape(recipe), base_setting(recipe, 1)).peak / GIB
     assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured)
