@@ -57,9 +57,9 @@ Assumptions (what the GPU check, ``scripts/gpu_plan_accuracy.sh``, validates)
 - Every row is ``max_seq_len`` tokens (packed rows, or padding to the longest row at worst).
 - Attention keeps q, k, v, out and the log-sum-exp (flash, cuDNN, flex, CPU flash); k and v at
   the key/value heads when the backend handles GQA natively, else expanded (``gqa_native``).
-- The eager loss holds three fp32 ``[tokens × vocab]`` tensors and one in the compute dtype at
-  its peak (the saved log-probabilities, their gradient, the logits' fp32 gradient and its
-  bf16 copy; calibrated on the measured eager peaks of docs/benchmarks.md); ``cross_entropy`` keeps one
+- The eager loss holds three fp32 ``[tokens × vocab]`` tensors at its peak, in log_softmax's
+  backward: the saved log-probabilities, their gradient and the logits' fp32 gradient (checked
+  against the measured eager peaks of docs/benchmarks.md, within 0.4%); ``cross_entropy`` keeps one
   gradient-sized tensor; fused linear CE one chunk buffer (the kernel's own `sweep_rows`) and,
   with several chunks and bf16 weights, its fp32 dW accumulator.
 - A layer's backward needs about the gradients of its largest activations: the MLP's gate/up
@@ -335,11 +335,12 @@ def loss_temporary_bytes(shape: ModelShape, s: Setting) -> int:
         return rows * v * ea + accumulator
     if "cross_entropy" in k:  # the logits (then their gradient in place) and the fp32 row stats
         return n * 8
-    # On top of the saved fp32 log-probabilities: in the forward the logits (compute dtype) and
-    # their fp32 copy; in the backward the log-probabilities' gradient and the logits' fp32
-    # gradient, then its compute-dtype copy. Counted as two fp32 [N, V] plus one in the compute
-    # dtype: the sum the measured eager peaks of docs/benchmarks.md need (1B and 8B, within 10%).
-    return n * v * (8 + ea)
+    # On top of the saved fp32 log-probabilities, at log_softmax's backward: their gradient and
+    # the logits' fp32 gradient. The logits in the compute dtype are gone by then (nothing saves
+    # them), and the gradient's compute-dtype copy is made after the two fp32 inputs of that
+    # backward are freed. Counting a compute-dtype [N, V] on top over-predicted every measured
+    # eager peak by exactly that tensor (1B bs8 and bs4-full on an H100, a 4-layer model).
+    return n * v * 8
 
 
 def layer_backward_bytes(shape: ModelShape, s: Setting) -> int:
