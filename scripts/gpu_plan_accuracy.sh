@@ -11,8 +11,9 @@
 #   OUT=runs/plan-8b PARTS=8b1 STEPS=6 bash scripts/gpu_plan_accuracy.sh  # one H200: 8B full fine-tune,
 #       bf16 weights, hand-picked settings against micro_batch_size/activation_checkpointing auto
 #
-# Knobs: PARTS (1b, 8b, 8b1, or several: "1b 8b"), NPROC (8B world size, default 4), STEPS (default 3),
-# LINE_TIMEOUT_S (default 200), TESTS (default 1: then the GPU tests), PYTHON.
+# Knobs: PARTS (1b, 8b, 8b1, or several: "1b 8b"), LINES (names of the lines to run within those
+# parts, default all), NPROC (8B world size, default 4), STEPS (default 3), LINE_TIMEOUT_S
+# (default 200), TESTS (default 1: then the GPU tests), PYTHON.
 # Results: $OUT/accuracy.md (the table) and one run directory per line.
 set -uo pipefail
 
@@ -32,6 +33,7 @@ R8B=recipes/llama3-8b-alpaca-bench.yaml
 line() {
   local name=$1 recipe=$2 world=$3
   shift 3
+  [[ -n "${LINES:-}" && " $LINES " != *" $name "* ]] && return 0
   local dir="$OUT/$name"
   rm -rf "$dir"
   local launch=()
