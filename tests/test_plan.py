@@ -17,6 +17,8 @@ from ligertune.cli import app
 from ligertune.config import load_recipe
 from ligertune.config.rules import recipe_problems
 from ligertune.config.schema.training import CHECKPOINT_MODULES
+from ligertune.objectives.dpo import DPO
+from ligertune.objectives.reference import Reference
 from ligertune.patching.apply import patch_model
 from ligertune.training.memory import choose
 from ligertune.training.memory.auto import resolve_auto
@@ -229,6 +231,196 @@ def test_kernels_save_less_than_eager_by_the_listed_tensors():
     eager = layer_activation_bytes(shape, Setting(micro_batch_size=B, seq_len=S))
     ours = layer_activation_bytes(shape, Setting(micro_batch_size=B, seq_len=S, kernels=OURS))
     assert eager - ours == 2 * T * H * 4 + T * I * 2
+
+
+def test_dpo_saves_two_rows_per_pair_and_nothing_of_its_reference():
+    """The real DPO objective (materialised path, fp32) over B pairs with a frozen reference:
+    what autograd saves is the plan's activations at 2·B rows (the 3-layer minus the 2-layer
+    model per layer, and the whole), within 3% as for sft; the reference, run first under
+    no_grad, saves nothing."""
+    ids = torch.randint(0, V, (2 * B, S), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    measured = {}
+    for layers in (2, 3):
+        policy, reference = tiny(layers).train(), tiny(layers).eval().requires_grad_(False)
+        objective = DPO(0.1, Reference("frozen", model=reference), fused=False)
+        frozen = {p.untyped_storage().data_ptr() for p in reference.parameters()}
+        params = frozen | {p.untyped_storage().data_ptr() for p in policy.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t, params=params, seen=seen):
+            if t.untyped_storage().data_ptr() not in params:
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            objective(policy, batch, torch.tensor(B))
+        measured[layers] = sum(seen.values())
+    shape = model_shape(tiny(2))
+    s = Setting(B, S, precision="fp32", rows_per_sample=2, objective="dpo", frozen=shape)
+    per_token = sum(t.per_token * t.bytes_per_element for t in layer_saved(shape, s))
+    assert measured[3] - measured[2] == pytest.approx(2 * T * per_token, rel=0.03)
+    assert measured[2] == pytest.approx(sum(activation_bytes(shape, s).values()), rel=0.03)
+
+
+# --------------------------------------------------------------------------------------------
+# Objectives: pairs, a frozen reference, a teacher (hand counts)
+# --------------------------------------------------------------------------------------------
+
+
+def test_pairs_count_two_rows_per_sample_by_hand():
+    """B pairs are a [2B, S] batch: one layer saves 2·T tokens' worth (our kernels, bf16)."""
+    shape = model_shape(tiny(2))
+    q, kv, e = HEADS * D, KV * D, 2
+    per_token = 2 * (H * e + 4 + H * e) + (q + kv + kv + q) * e + HEADS * 4 + I * e * 3
+    for objective in ("dpo", "orpo", "simpo", "kto"):
+        s = Setting(B, S, precision="bf16", kernels=OURS, rows_per_sample=2, objective=objective)
+        assert s.tokens == 2 * B * S
+        assert layer_activation_bytes(shape, s) == 2 * T * per_token
+
+
+def _recipe(name: str, *overrides: str):
+    return load_recipe(ROOT / "recipes" / f"quickstart-{name}.yaml", list(overrides))
+
+
+def test_dpo_recipe_doubles_the_activations_of_the_same_recipe_on_sft_data():
+    """quickstart-dpo against the quickstart (sft) with the same model, rows, micro-batch,
+    precision and kernels: every activation but the per-model lm_head gradient doubles."""
+    dpo = _recipe("dpo")
+    sft = load_recipe(
+        QUICKSTART,
+        [
+            f"data.max_seq_len={dpo.data.max_seq_len}",
+            "data.packing=false",
+            f"training.micro_batch_size={dpo.training.micro_batch_size}",
+            f"training.precision={dpo.training.precision}",
+        ],
+    )
+    shape = recipe_shape(dpo)
+    assert shape == recipe_shape(sft)
+    pair, single = base_setting(dpo, 1), base_setting(sft, 1)
+    assert (pair.rows_per_sample, single.rows_per_sample) == (2, 1)
+    assert pair.kernels == single.kernels and "fused_linear_cross_entropy" in pair.kernels
+    head = V_TINY * H_TINY * 4  # fp32 dW [vocab × hidden], once per model
+    pair_parts, single_parts = activation_bytes(shape, pair), activation_bytes(shape, single)
+    assert pair_parts["fused CE: lm_head gradient"] == single_parts["fused CE: lm_head gradient"] == head
+    assert sum(pair_parts.values()) - head == 2 * (sum(single_parts.values()) - head)
+
+
+# tiny-llama (ligertune/models/architectures.py), the quickstarts' model, counted by hand:
+# q and o H×H, k and v H×(2 heads × 32), gate/up/down H×I, two norms; untied embeddings.
+H_TINY, I_TINY, V_TINY = 128, 352, 2048
+LAYER_TINY = 2 * H_TINY * H_TINY + 2 * H_TINY * 2 * 32 + 3 * H_TINY * I_TINY + 2 * H_TINY
+
+
+def tiny_llama_params(layers: int) -> int:
+    return 2 * V_TINY * H_TINY + layers * LAYER_TINY + H_TINY
+
+
+def test_frozen_reference_adds_its_weights_by_hand():
+    """A frozen reference (the starting model) adds its parameters once, in the weights' dtype,
+    with no gradients or moments: × 2 bytes in bf16 on one GPU (and under DDP, a replica per
+    GPU), ÷ world under FSDP2 and ZeRO-3, fp32 (build_model's bf16-mixed parameter dtype) on one
+    GPU in bf16-mixed; every moment grows by exactly that much."""
+    shape = model_shape(tiny(2))
+    total, layer = 2 * V * H + 2 * (2 * H * H + 2 * H * KV * D + 3 * H * I + 2 * H) + H, 43136
+    assert shape.params == total
+    cases = [
+        ("bf16", "none", 1, "frozen reference (bf16, replica)", 2 * total),
+        ("bf16", "ddp", 4, "frozen reference (bf16, replica)", 2 * total),
+        ("bf16-mixed", "none", 1, "frozen reference (fp32, replica)", 4 * total),
+        ("bf16", "fsdp", 4, "frozen reference (bf16, sharded)", 2 * total // 4),
+        ("bf16-mixed", "fsdp", 4, "frozen reference (fp32, sharded)", 4 * total // 4),
+        ("bf16-mixed", "deepspeed", 4, "frozen reference (bf16, sharded)", 2 * total // 4),
+    ]
+    for precision, strategy, world, name, expected in cases:
+        plain = Setting(
+            B, S, precision=precision, strategy=strategy, world_size=world, kernels=OURS, rows_per_sample=2
+        )
+        with_reference = replace(plain, objective="dpo", frozen=shape)
+        states, _ = state_bytes(shape, with_reference)
+        assert states[name] == expected, (precision, strategy)
+        a, b = estimate(shape, with_reference), estimate(shape, replace(plain, objective="dpo"))
+        for moment in ("loss (end of forward)", "start of backward", "end of backward"):
+            assert a.moments[moment] - b.moments[moment] == expected, (precision, strategy, moment)
+        assert not any("frozen" in k for k in (*b.states, *b.temporaries, *b.moments))
+    # Its forward comes first, under no_grad: on one GPU in bf16 with our kernels, the states
+    # (without gradients), one layer's working set at 2T tokens (gate, up, product and four
+    # hidden-sized tensors) and its head (final hidden states and one logits chunk: all 2T rows
+    # fit the default budget). Under FSDP2 also two gathered layers and the root, in bf16.
+    s = Setting(B, S, precision="bf16", kernels=OURS, rows_per_sample=2, objective="dpo", frozen=shape)
+    b = estimate(shape, s)
+    states = 2 * total + 4 * total + 2 * total  # weights, moments, reference
+    working = 2 * T * (3 * I * 2 + 4 * H * 2) + 2 * T * H * 2 + 2 * T * V * 2
+    assert b.moments["frozen reference forward (before the policy's)"] == states + working
+    fsdp = estimate(shape, replace(s, strategy="fsdp", world_size=4))
+    gathered = (2 * layer + 2 * V * H) * 2
+    assert (
+        fsdp.temporaries["frozen reference: FSDP2 gathered layers (current + prefetch) and root"] == gathered
+    )
+    fsdp_states = sum(v for k, v in fsdp.states.items() if not k.startswith("gradients"))
+    assert fsdp.moments["frozen reference forward (before the policy's)"] == fsdp_states + gathered + working
+
+
+def test_recipes_hold_a_frozen_model_only_where_there_is_one():
+    """dpo and kto (reference frozen, no LoRA) hold the starting model again; dpo with LoRA
+    (adapters off), with a precomputed or no reference, orpo and simpo hold none. All of them
+    train on pairs."""
+    for name in ("dpo", "kto"):
+        r = _recipe(name, "training.precision=bf16")
+        s = base_setting(r, 1)
+        assert s.frozen == replace(recipe_shape(r), lora_params=0) and s.frozen.params == tiny_llama_params(2)
+        assert estimate(recipe_shape(r), s).states[
+            "frozen reference (bf16, replica)"
+        ] == 2 * tiny_llama_params(2)
+    for name, overrides in (
+        ("dpo", ["lora={r: 8}"]),
+        ("dpo", ["objective.reference=none"]),
+        ("kto", ["objective.reference=precomputed"]),
+        ("orpo", []),
+        ("simpo", []),
+    ):
+        r = _recipe(name, *overrides)
+        s = base_setting(r, 1)
+        assert s.frozen is None and s.rows_per_sample == 2, (name, overrides)
+        b = estimate(recipe_shape(r), s)
+        assert not any("frozen" in k for k in (*b.states, *b.temporaries, *b.moments)), (name, overrides)
+    # The lora fix drops the reference too (adapters off): at 10.5 MB (9.66 usable) the fp32
+    # DPO fits neither in bf16 (10.4 MB) nor with adapters beside a frozen copy (12.9 MB), but
+    # with adapters alone (9.3 MB).
+    r = _recipe("dpo")
+    shape, base = recipe_shape(r), base_setting(r, 1)
+    fix = choose.cheapest_fix(shape, base, 10_500_000)
+    assert fix.startswith("a lora section") and "adapters off" in fix
+    smallest = replace(base, micro_batch_size=1, checkpointing="full")
+    adapted = replace(shape, lora_params=int(shape.params * choose.LORA_SHARE))
+    assert not estimate(adapted, smallest).fits(10_500_000)
+
+
+def test_distill_teacher_adds_its_own_size():
+    """quickstart-distill's teacher is tiny-llama with 3 layers against the student's 2: its
+    parameters, not the student's, are added (fp32 here, bf16 in bf16), sharded under FSDP2;
+    and its forward, inside the student's loss, brings its gathered layers and root there."""
+    r = _recipe("distill")
+    shape, s = recipe_shape(r), base_setting(r, 1)
+    assert shape.params == tiny_llama_params(2) and s.frozen.params == tiny_llama_params(3)
+    assert s.rows_per_sample == 1 and s.frozen_role == "teacher"
+    sft = replace(s, objective="sft", frozen=None)  # the same student, no teacher
+    a, b = estimate(shape, s), estimate(shape, sft)
+    assert a.states["frozen teacher (fp32, replica)"] == 4 * tiny_llama_params(3)
+    for moment in ("start of backward", "end of backward"):
+        assert a.moments[moment] - b.moments[moment] == 4 * tiny_llama_params(3)
+    assert a.moments["loss (end of forward)"] - b.moments["loss (end of forward)"] > 4 * tiny_llama_params(3)
+    bf16 = base_setting(_recipe("distill", "training.precision=bf16", "parallel.strategy=fsdp"), 4)
+    c = estimate(shape, bf16)
+    assert c.states["frozen teacher (bf16, sharded)"] == 2 * tiny_llama_params(3) // 4
+    gathered = (2 * LAYER_TINY + 2 * V_TINY * H_TINY) * 2
+    assert c.temporaries["frozen teacher: FSDP2 gathered layers (current + prefetch) and root"] == gathered
+    c_no_teacher = estimate(shape, replace(bf16, objective="sft", frozen=None))
+    assert (
+        c.moments["start of backward"] - c_no_teacher.moments["start of backward"]
+        == 2 * tiny_llama_params(3) // 4
+    )
 
 
 # --------------------------------------------------------------------------------------------

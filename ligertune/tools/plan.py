@@ -78,10 +78,15 @@ def plan(recipe: Recipe, world_size: int, budget: int, console: Console) -> Plan
     shape = recipe_shape(recipe)
     base = base_setting(recipe, world_size)
     own = estimate(shape, base)
+    pairs = f", {base.rows_per_sample} per sample (pairs)" if base.rows_per_sample > 1 else ""
+    frozen = (
+        f", a frozen {base.frozen_role} of {base.frozen.params / 1e9:.2f}B parameters" if base.frozen else ""
+    )
     console.print(
         f"{recipe.name}: {shape.params / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, "
-        f"vocab {shape.vocab}), {base.precision}, {base.strategy} × {world_size}, rows of {base.seq_len} tokens, "
-        f"kernels: {', '.join(sorted(base.kernels)) or 'none'}; target {gib(budget)} per GPU"
+        f"vocab {shape.vocab}){frozen}, {base.precision}, {base.strategy} × {world_size}, rows of "
+        f"{base.seq_len} tokens{pairs}, kernels: {', '.join(sorted(base.kernels)) or 'none'}; target "
+        f"{gib(budget)} per GPU"
     )
     console.print(_breakdown_table(own, budget))
     off = estimate(shape, replace(base, kernels=frozenset()))

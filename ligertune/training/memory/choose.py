@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from ligertune.config.schema.data import PAIR_FORMATS
 from ligertune.training.memory.estimate import (
     GIB,
     HEADROOM_FRACTION,
@@ -29,6 +30,7 @@ from ligertune.training.memory.estimate import (
     estimate,
     layer_saved,
 )
+from ligertune.training.memory.shape import section_shape
 
 if TYPE_CHECKING:
     from ligertune.config import Recipe
@@ -52,6 +54,26 @@ def native_gqa(recipe: Recipe) -> bool:
     transformers' sdpa path does only without a mask (`use_gqa_in_sdpa`), and unpacked rows are
     padded, so there it expands them with ``repeat_kv`` first (packed rows go to flex on CUDA)."""
     return recipe.data.packing or recipe.model.attn_implementation in ("flash_attention_2", "flex_attention")
+
+
+def rows_per_sample(recipe: Recipe) -> int:
+    """2 for preference and kto data (a micro-batch of B pairs is [2B, S]), else 1."""
+    data = recipe.data
+    formats = {m.format or data.format for m in data.mix} if data.mix else {data.format}
+    return 2 if formats & set(PAIR_FORMATS) else 1
+
+
+def frozen_shape(recipe: Recipe) -> ModelShape | None:
+    """The shape of the frozen model the objective holds on the GPU besides the policy: the
+    distill teacher, or the dpo/kto reference when it is frozen and there is no LoRA (with LoRA
+    the reference is the policy with its adapters off: no second model). None otherwise
+    (sft, orpo, simpo, precomputed or no reference)."""
+    objective = recipe.objective
+    if objective.name == "distill" and objective.teacher is not None:
+        return section_shape(recipe, objective.teacher)
+    if objective.name in ("dpo", "kto") and objective.reference_kind == "frozen" and recipe.lora is None:
+        return section_shape(recipe, objective.reference_model or recipe.model)
+    return None
 
 
 def base_setting(recipe: Recipe, world_size: int) -> Setting:
@@ -78,6 +100,9 @@ def base_setting(recipe: Recipe, world_size: int) -> Setting:
         deepspeed_offload_optimizer=parallel.deepspeed.offload_optimizer,
         deepspeed_offload_params=parallel.deepspeed.offload_params,
         gqa_native=gqa_native,
+        rows_per_sample=rows_per_sample(recipe),
+        objective=recipe.objective.name,
+        frozen=frozen_shape(recipe),
     )
 
 
@@ -234,9 +259,13 @@ def cheapest_fix(shape: ModelShape, base: Setting, gpu_bytes: int) -> str:
         if seq >= 128:
             fix(f"data.max_seq_len={seq}", replace(smallest, seq_len=seq))
     if not shape.lora_params:
+        # With LoRA a dpo/kto reference is the policy with its adapters off: no frozen copy.
+        reference = base.frozen is not None and base.frozen_role == "reference"
         fix(
-            "a lora section (adapters instead of full fine-tuning)",
-            smallest,
+            "a lora section (adapters instead of full fine-tuning"
+            + ("; the reference becomes the policy with its adapters off" if reference else "")
+            + ")",
+            replace(smallest, frozen=None) if reference else smallest,
             replace(shape, lora_params=int(shape.params * LORA_SHARE)),
         )
     for text, setting, fixed_shape in fixes:

@@ -16,6 +16,7 @@ from ligertune.training.memory.estimate import ModelShape
 
 if TYPE_CHECKING:
     from ligertune.config import Recipe
+    from ligertune.config.schema import ModelSection
 
 
 def model_shape(model: nn.Module, lora_params: int = 0) -> ModelShape:
@@ -61,3 +62,9 @@ def recipe_shape(recipe: Recipe) -> ModelShape:
     model = build_model(recipe, torch.device("cpu"), empty=True)
     adapters = lora_params(model, recipe.lora.r, recipe.lora.target_modules) if recipe.lora else 0
     return model_shape(model, adapters)
+
+
+def section_shape(recipe: Recipe, section: ModelSection) -> ModelShape:
+    """The shape of another model section of the recipe (a frozen reference or teacher), built
+    as `build_frozen` builds it: the recipe with that model section, no adapters."""
+    return recipe_shape(recipe.model_copy(update={"model": section, "lora": None}))
