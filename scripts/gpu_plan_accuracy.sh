@@ -107,6 +107,11 @@ for entry in (out / "lines.tsv").read_text().splitlines():
         rows.append(f"| {name} | {world} | {predicted:.1f} | exit {status} (see {name}.log) | — | | |")
         continue
     error = predicted / measured - 1
+    if speed is None:
+        # No summary: the run stopped early. Its first step's peak precedes the AdamW moments
+        # (allocated by the first optimizer step), so it is not the run's peak.
+        rows.append(f"| {name} | {world} | {predicted:.1f} | {measured:.1f} | {error:+.1%} | incomplete run | — |")
+        continue
     misses += abs(error) > 0.10
     rows.append(
         f"| {name} | {world} | {predicted:.1f} | {measured:.1f} | {error:+.1%} | {'ok' if abs(error) <= 0.10 else 'MISS'} | {tok_s} |"
