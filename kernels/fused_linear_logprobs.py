@@ -104,7 +104,7 @@ __all__ = [
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 # fp32 C × V buffers alive at once in a distillation chunk: both log-softmaxes, probabilities,
 # the mixture (JSD), the gradient.
-_DISTILL_BUFFERS = 6
+DISTILL_BUFFERS = 6
 
 
 class GroupLoss(NamedTuple):
@@ -443,7 +443,7 @@ class _FusedDistillationFunction(torch.autograd.Function):
         want_dh, want_dw, want_db = needs[0], needs[1], s_bias is not None and needs[2]
         n_rows, n_hidden = s_hidden.shape
         n_cols = s_weight.shape[0]
-        rows = chunk_rows(n_rows, n_cols, 4 * _DISTILL_BUFFERS, budget)
+        rows = chunk_rows(n_rows, n_cols, 4 * DISTILL_BUFFERS, budget)
         exact = torch.float64 if s_hidden.dtype == torch.float64 else torch.float32
         sums = torch.zeros(3, dtype=exact, device=s_hidden.device)  # loss, ce, divergence
         scale = scale.to(exact)

@@ -146,9 +146,9 @@ def test_odd_shapes_one_chunk_and_many(n_cols, budget):
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_bf16(accum_dtype, reduction):
     """bf16 inputs against the float64 oracle on the same bf16 values (bounds at the top), in
-    four chunks so both dW accumulations (fp32 via slices on CPU, and bf16) run: with fewer rows
-    a single chunk would need less memory than the fp32 accumulator, and be taken (`sweep_rows`)."""
-    n_rows, n_hidden, n_cols = 160, 64, 2000
+    four chunks so both dW accumulations (fp32 via slices on CPU, and bf16) run: with more than
+    2·H rows, one chunk would need more memory than the fp32 accumulator (`sweep_rows`)."""
+    n_rows, n_hidden, n_cols = 48, 16, 2000
     hidden, weight, bias = _inputs(n_rows, n_hidden, n_cols, dtype=torch.bfloat16)
     target = _targets(n_rows, n_cols)
     kw = dict(ALL_OPTIONS, reduction=reduction)
@@ -159,7 +159,7 @@ def test_bf16(accum_dtype, reduction):
         target,
         bias,
         upstream,
-        dict(accum_dtype=accum_dtype, memory_budget_bytes=40 * n_cols * 2),
+        dict(accum_dtype=accum_dtype, memory_budget_bytes=12 * n_cols * 2),
         **kw,
     )
     assert rel_err(out, ref) <= BF16_LOSS_REL

@@ -137,7 +137,7 @@ import math
 from dataclasses import dataclass, field
 
 from ligertune.kernels.fused_linear_cross_entropy import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows, sweep_rows
-from ligertune.kernels.fused_linear_logprobs import _DISTILL_BUFFERS as DISTILL_BUFFERS
+from ligertune.kernels.fused_linear_logprobs import DISTILL_BUFFERS
 
 GIB = 2**30
 # Part of the GPU left free when deciding "fits": the caching allocator's fragmentation, the
