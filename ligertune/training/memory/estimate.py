@@ -580,13 +580,17 @@ def frozen_sharded(s: Setting) -> bool:
     return s.strategy == "fsdp" or (s.strategy == "deepspeed" and s.zero_stage == 3)
 
 
+def frozen_offloaded(s: Setting) -> bool:
+    """Whether the strategy keeps the frozen model's shards on the CPU, as it does the policy's."""
+    return (s.strategy == "fsdp" and s.fsdp_cpu_offload) or (
+        s.strategy == "deepspeed" and s.zero_stage == 3 and s.deepspeed_offload_params
+    )
+
+
 def frozen_label(s: Setting) -> str:
     """The frozen model's state line, e.g. ``frozen reference (bf16, replica)``."""
     dtype = "bf16" if frozen_element_bytes(s) == 2 else "fp32"
-    offloaded = (s.strategy == "fsdp" and s.fsdp_cpu_offload) or (
-        s.strategy == "deepspeed" and s.zero_stage == 3 and s.deepspeed_offload_params
-    )
-    where = ("sharded" + (", on the CPU" if offloaded else "")) if frozen_sharded(s) else "replica"
+    where = ("sharded" + (", on the CPU" if frozen_offloaded(s) else "")) if frozen_sharded(s) else "replica"
     return f"frozen {s.frozen_role} ({dtype}, {where})"
 
 
@@ -594,12 +598,10 @@ def frozen_weight_bytes(frozen: ModelShape, s: Setting) -> int:
     """The frozen model's weights on each GPU for the whole run (no gradients, no optimizer
     state): a whole replica, or 1/world of them where the strategy shards it (none on the GPU
     when it offloads the shards to the CPU, as it does the policy's)."""
+    if frozen_offloaded(s):
+        return 0
     total = frozen.params * frozen_element_bytes(s)
-    if s.strategy == "fsdp":
-        return 0 if s.fsdp_cpu_offload else total // s.world_size
-    if s.strategy == "deepspeed" and s.zero_stage == 3:
-        return 0 if s.deepspeed_offload_params else total // s.world_size
-    return total
+    return total // s.world_size if frozen_sharded(s) else total
 
 
 def frozen_gathered_bytes(frozen: ModelShape, s: Setting) -> int:
