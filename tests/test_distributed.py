@@ -558,6 +558,7 @@ def _work(spec: Path) -> None:
     path ran (an HF fallback would compute nearly the same loss) on the gathered weight."""
     import torch.distributed as dist
 
+    from ligertune.distributed.runtime import leave_process_groups
     from ligertune.kernels import fused_linear_cross_entropy as flce
     from ligertune.training import train
 
@@ -579,7 +580,7 @@ def _work(spec: Path) -> None:
         recipe = load_recipe(QUICKSTART, overrides)
         train(recipe)
         (recipe.run_dir / f"flce-rank{dist.get_rank()}.json").write_text(json.dumps(weight_shapes))
-    dist.destroy_process_group()
+    leave_process_groups(synchronised=True)
 
 
 if __name__ == "__main__":

@@ -235,6 +235,7 @@ def _work(spec: Path) -> None:
     model alike; distill: [student, teacher])."""
     import torch.distributed as dist
 
+    from ligertune.distributed.runtime import leave_process_groups
     from ligertune.objectives import distill, logps
     from ligertune.training.trainer import Trainer
 
@@ -268,7 +269,7 @@ def _work(spec: Path) -> None:
             report["after"] = _placement(getattr(frozen, "module", frozen))
         report["kernel_weights"] = list(calls)
         (recipe.run_dir / f"frozen-rank{dist.get_rank()}.json").write_text(json.dumps(report))
-    dist.destroy_process_group()
+    leave_process_groups(synchronised=True)
 
 
 if __name__ == "__main__":

@@ -267,6 +267,7 @@ def _build(overrides: list[str]) -> None:
 if __name__ == "__main__":
     import torch.distributed as dist
 
+    from ligertune.distributed.runtime import leave_process_groups
     from tests.test_distributed import _work
 
     spec = Path(sys.argv[1])
@@ -275,6 +276,6 @@ if __name__ == "__main__":
         dist.init_process_group("gloo")
         for case in cases:
             _build(case["overrides"])
-        dist.destroy_process_group()
+        leave_process_groups(synchronised=True)
     else:
         _work(spec)

@@ -286,16 +286,9 @@ class ProcessGroupRuntime(Runtime):
 
     def shutdown(self, finished: bool = False) -> None:
         if self._owns_group and dist.is_initialized():
-            # gloo's worker threads free each finished collective's tensors, which takes the GIL;
-            # tearing the group down joins those threads while holding it. Right after the last
-            # collective that is a deadlock (seen on CPU: rank 1 hung at exit, its agent at
-            # torchrun's exit barrier). A barrier, then a wait that lets go of the GIL, leaves
-            # the threads nothing to free when they are joined. Only when every rank finished:
-            # after a failure the other ranks may be in another collective, or gone.
-            if finished:
-                dist.barrier()
-                time.sleep(0.05)
-            dist.destroy_process_group()
+            # Synchronised only when every rank finished: after a failure the other ranks may be
+            # in another collective, or gone.
+            leave_process_groups(synchronised=finished)
 
     # -- sharded initialisation (fsdp, ZeRO-3) -----------------------------------------------
 
@@ -337,6 +330,24 @@ class ProcessGroupRuntime(Runtime):
         torch.set_rng_state(states[0])
         if states[1] is not None:
             torch.cuda.set_rng_state(states[1], self.device)
+
+
+def leave_process_groups(synchronised: bool) -> None:
+    """Destroy every process group of this process, at the end of a job.
+
+    gloo's worker threads free each finished collective's work, and with it the work's tensors,
+    which takes the GIL. Two ways that goes wrong right after the last collective, both seen on
+    CPU: the teardown joins those threads while holding the GIL (a deadlock: rank 1 hung at
+    exit, its agent at torchrun's exit barrier); or a group some object still holds outlives
+    `destroy_process_group`, and its thread reaches the GIL while the interpreter is finalising,
+    which ends the thread inside C++ (`terminate called without an active exception`, SIGABRT
+    at exit, under CPU load). With `synchronised` (every rank is here) a barrier, then a wait
+    that lets go of the GIL long enough for a starved thread to be scheduled, leaves the threads
+    nothing to free."""
+    if synchronised:
+        dist.barrier()
+        time.sleep(0.25)
+    dist.destroy_process_group()
 
 
 def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
