@@ -78,6 +78,7 @@ import torch
 import torch.nn.functional as F
 
 from ._utils import use_triton
+from .chunking import DISTILL_BUFFERS
 from .cross_entropy import CEOptions, keep_stored_grads, launch_cross_entropy, row_outputs, scale_stored_grads
 from .fused_linear_cross_entropy import (
     DEFAULT_MEMORY_BUDGET_BYTES,
@@ -102,9 +103,6 @@ __all__ = [
 ]
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
-# fp32 C × V buffers alive at once in a distillation chunk: both log-softmaxes, probabilities,
-# the mixture (JSD), the gradient.
-DISTILL_BUFFERS = 6
 
 
 class GroupLoss(NamedTuple):

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ligertune.catalog.objectives.dpo import DPOOptions
 from ligertune.config import load_recipe
 from ligertune.models.build import build_model
 from ligertune.objectives.dpo import DPO, dpo_losses
@@ -84,7 +85,7 @@ def run_arm(name, recipe, batch, steps, device):
     if name == "ours":
         patch_model(policy, "all")
         patch_model(reference, "all")
-        objective = DPO(BETA, Reference("frozen", model=reference), fused=True)
+        objective = DPO(DPOOptions(beta=BETA), Reference("frozen", model=reference), fused=True)
         step = lambda: ours_step(policy, objective, batch)  # noqa: E731
     elif name == "liger":
         from liger_kernel.chunked_loss import LigerFusedLinearDPOLoss

@@ -78,9 +78,9 @@ import json, shlex, sys
 from pathlib import Path
 
 from ligertune.config import load_recipe
-from ligertune.training.memory.choose import base_setting
-from ligertune.training.memory.estimate import GIB, estimate
-from ligertune.training.memory.shape import recipe_shape
+from ligertune.plan.choose import base_setting
+from ligertune.plan.estimate import GIB, estimate
+from ligertune.models.shape import recipe_shape
 
 out = Path(sys.argv[1])
 rows, misses = [], 0

@@ -29,9 +29,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
+from ligertune.catalog.architectures import SHIPPED_CONFIGS  # noqa: E402
 from ligertune.data.formats import alpaca_prompt  # noqa: E402
 from ligertune.data.tokenizer import BOS, CHAT_TEMPLATE, EOS, PAD, SPECIAL_TOKENS  # noqa: E402
-from ligertune.models.architectures import SHIPPED_CONFIGS  # noqa: E402
 
 ASSETS = Path(__file__).resolve().parent.parent / "ligertune" / "assets"
 VOCAB_SIZE = SHIPPED_CONFIGS["tiny-llama"]["vocab_size"]

@@ -212,12 +212,18 @@ CASES = [
     Case(
         "zero_stage_bool",
         "parallel.deepspeed.zero_stage: got True; allowed: 1, 2 or 3",
-        BASE + "parallel:\n  deepspeed:\n    zero_stage: true\n",
+        BASE + "parallel:\n  strategy: deepspeed\n  deepspeed:\n    zero_stage: true\n",
     ),
     Case(
         "fsdp_offload_int",
         "parallel.fsdp.cpu_offload: got 0; input should be a valid boolean",
-        BASE + "parallel:\n  fsdp:\n    cpu_offload: 0\n",
+        BASE + "parallel:\n  strategy: fsdp\n  fsdp:\n    cpu_offload: 0\n",
+    ),
+    Case(
+        "fsdp_options_without_fsdp",
+        "parallel.fsdp: parallel.strategy none has no option fsdp (an option of fsdp); remove it, or set "
+        "parallel.strategy to fsdp",
+        BASE + "parallel:\n  fsdp:\n    cpu_offload: true\n",
     ),
     Case(
         "model_config_number",

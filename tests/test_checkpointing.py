@@ -15,10 +15,10 @@ from ligertune.errors import TrainingError
 from ligertune.models.build import decoder_layers
 from ligertune.objectives.causal_lm import CausalLM
 from ligertune.training import train
-from ligertune.training.memory.offload import ActivationOffload, autocast_weight_copy
 from ligertune.training.optim import autocast_for
 from ligertune.training.step import forward_backward
 from ligertune.training.transforms import apply_transforms
+from ligertune.training.transforms.offload import ActivationOffload, autocast_weight_copy
 from tests.helpers import QUICKSTART, tiny_llama
 from tests.test_patching import grads, random_batch, tiny_model
 from tests.test_plan import saved_bytes

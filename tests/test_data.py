@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ligertune.catalog.architectures import SHIPPED_CONFIGS
 from ligertune.config import ASSETS_DIR, validate_recipe
 from ligertune.data import DataError, MicroBatchLoader, build_datasets, load_tokenizer
 from ligertune.data.formats import Sample
 from ligertune.data.packing import build_rows
-from ligertune.models.architectures import SHIPPED_CONFIGS
 from tests.helpers import ROOT, tiny_llama
 
 FIXTURES = Path(__file__).resolve().parent / "data"

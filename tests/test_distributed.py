@@ -27,9 +27,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from ligertune.catalog.strategies.deepspeed import deepspeed_config
 from ligertune.config import RecipeError, load_recipe
-from ligertune.config.deepspeed import deepspeed_config
-from ligertune.distributed import DeepSpeedRuntime, Runtime
+from ligertune.distributed import Runtime
+from ligertune.distributed.deepspeed import DeepSpeedRuntime
 from ligertune.distributed.launch import LaunchError, LaunchOptions, check_options, torchrun_command
 from ligertune.run.checkpoint import Checkpoint
 from ligertune.training import train

@@ -68,7 +68,7 @@ def one_torch_thread():
         (["model.quantize=2bit"], "model.quantize"),
         (["lora=null", "model.quantize=4bit"], "model.quantize: 4bit freezes the base weights"),
         (["parallel.strategy=deepspeed"], "lora: not supported with parallel.strategy deepspeed"),
-        (["model.quantize=4bit", "parallel.strategy=fsdp"], "cannot be sharded by parallel.strategy fsdp"),
+        (["model.quantize=4bit", "parallel.strategy=fsdp"], "not supported with parallel.strategy fsdp"),
         (
             ["parallel.strategy=fsdp", "parallel.sharded_init=true"],
             "parallel.sharded_init: true is not supported",

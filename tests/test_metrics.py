@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from ligertune.models.shape import model_shape
 from ligertune.run import metrics
 from ligertune.run.metrics import MetricsLogger, RunSummary, Throughput, format_train_line
 from tests.helpers import tiny_llama
@@ -31,7 +33,16 @@ def test_flops_per_token_counts_every_matmul(tied):
     per_layer = H * heads * hd + 2 * H * kv * hd + heads * hd * H + 3 * H * inter + 2 * H
     n = L * per_layer + H + V * H
     attention = 12 * L * (heads * hd) * S
-    assert metrics.flops_per_token(model, S) == 6 * n + attention
+    assert model_shape(model).flops_per_token(S) == 6 * n + attention
+
+
+def test_flops_per_token_reads_a_multimodal_models_text_config():
+    """A model whose language model's sizes are under ``config.text_config`` (a vision-language
+    model) is counted from them, as the memory plan counts it."""
+    model = tiny_llama(num_hidden_layers=2, num_attention_heads=4, head_dim=16)
+    plain = model_shape(model).flops_per_token(64)
+    model.config = SimpleNamespace(text_config=model.config)
+    assert model_shape(model).flops_per_token(64) == plain
 
 
 def test_peak_table_prefers_the_most_specific_name(monkeypatch):

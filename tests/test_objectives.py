@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from ligertune.catalog.objectives.dpo import DPOOptions
 from ligertune.config import RecipeError, load_recipe
 from ligertune.kernels import fused_linear_logprobs as flp_kernel
 from ligertune.objectives import build_objective
@@ -102,19 +103,19 @@ def test_fused_and_materialised_paths_agree(name, tmp_path):
     for kernels in ("kernels.fused_linear_cross_entropy=true", "kernels=none"):
         trainer = _setup(_recipe(name, kernels, f"output_dir={tmp_path / kernels[:9]}"))
         try:
-            batch = next(trainer.loader.iter_epoch(0))
-            n = torch.tensor(trainer.objective.count(batch))
-            out = trainer.objective(trainer.model, batch, n)
+            batch = next(trainer.parts.data.loader.iter_epoch(0))
+            n = torch.tensor(trainer.parts.objective.count(batch))
+            out = trainer.parts.objective(trainer.parts.model, batch, n)
             out.loss.backward()
-            grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+            grads = [p.grad.clone() for p in trainer.parts.model.parameters() if p.grad is not None]
             results.append((out.loss.detach(), {k: v.item() for k, v in out.metrics.items()}, grads))
-            paths.append(trainer.objective.fused)
+            paths.append(trainer.parts.objective.fused)
         finally:
             trainer.cleanup()
     (l1, m1, g1), (l2, m2, g2) = results
     assert paths == [True, False]
     if name != "distill":
-        assert trainer.objective.count(batch) == batch["input_ids"].shape[0] // 2
+        assert trainer.parts.objective.count(batch) == batch["input_ids"].shape[0] // 2
     torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-6)
     assert m1 == pytest.approx(m2, rel=1e-4, abs=1e-5)
     for a, b in zip(g1, g2, strict=True):
@@ -137,11 +138,11 @@ def test_one_pass_equals_the_two_step_path(name, extra, tmp_path, monkeypatch):
     fused, short = "kernels.fused_linear_cross_entropy=true", "data.max_seq_len=32"
     trainer = _setup(_recipe(name, fused, short, *extra, f"output_dir={tmp_path}"))
     try:
-        objective, model = trainer.objective, trainer.model
+        objective, model = trainer.parts.objective, trainer.parts.model
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p), alpha=0.05)
-        batch = next(trainer.loader.iter_epoch(0))
+        batch = next(trainer.parts.data.loader.iter_epoch(0))
         n = torch.tensor(objective.count(batch))
         losses, pairs_per_call = objective.losses, []
 
@@ -182,7 +183,7 @@ def test_accumulation_invariance_dpo(tmp_path):
 
     trainer = _setup(_recipe("dpo", f"output_dir={tmp_path}"))
     try:
-        batch = next(trainer.loader.iter_epoch(0))
+        batch = next(trainer.parts.data.loader.iter_epoch(0))
         b = batch["input_ids"].shape[0] // 2
         singles = []
         for i in range(b):
@@ -192,10 +193,10 @@ def test_accumulation_invariance_dpo(tmp_path):
         outcomes = []
         for window in ([batch], singles):
             out = forward_backward(
-                trainer.model, trainer.objective, window, trainer.runtime, trainer.autocast
+                trainer.parts.model, trainer.parts.objective, window, trainer.runtime, trainer.parts.autocast
             )
-            outcomes.append((out, [p.grad.clone() for p in trainer.model.parameters()]))
-            trainer.optimizer.zero_grad(set_to_none=True)
+            outcomes.append((out, [p.grad.clone() for p in trainer.parts.model.parameters()]))
+            trainer.parts.optimizer.zero_grad(set_to_none=True)
     finally:
         trainer.cleanup()
     (one, g1), (four, g4) = outcomes
@@ -212,11 +213,13 @@ def test_frozen_reference_starts_as_the_policy(tmp_path):
     the loss log 2, through the fused lm_head of both models."""
     trainer = _setup(_recipe("dpo", f"output_dir={tmp_path}", "kernels.fused_linear_cross_entropy=true"))
     try:
-        reference = trainer.objective.reference
-        assert reference.kind == "frozen" and reference.fused and trainer.objective.fused
+        reference = trainer.parts.objective.reference
+        assert reference.kind == "frozen" and reference.fused and trainer.parts.objective.fused
         assert not any(p.requires_grad for p in reference.model.parameters()) and not reference.model.training
-        batch = next(trainer.loader.iter_epoch(0))
-        out = trainer.objective(trainer.model, batch, torch.tensor(trainer.objective.count(batch)))
+        batch = next(trainer.parts.data.loader.iter_epoch(0))
+        out = trainer.parts.objective(
+            trainer.parts.model, batch, torch.tensor(trainer.parts.objective.count(batch))
+        )
         assert out.metrics["rewards_chosen"].item() == 0.0 and out.metrics["rewards_rejected"].item() == 0.0
         assert out.loss.item() == pytest.approx(math.log(2), rel=1e-6)
     finally:
@@ -229,20 +232,22 @@ def test_lora_reference_is_the_policy_with_adapters_off(tmp_path):
     recipe = _recipe("dpo", f"output_dir={tmp_path}", "lora={r: 4, alpha: 8}")
     trainer = _setup(recipe)
     try:
-        reference = trainer.objective.reference
+        reference = trainer.parts.objective.reference
         assert reference.kind == "adapters_off" and reference.model is None
-        batch = next(trainer.loader.iter_epoch(0))
-        out = trainer.objective(trainer.model, batch, torch.tensor(trainer.objective.count(batch)))
+        batch = next(trainer.parts.data.loader.iter_epoch(0))
+        out = trainer.parts.objective(
+            trainer.parts.model, batch, torch.tensor(trainer.parts.objective.count(batch))
+        )
         assert out.metrics["rewards_chosen"].item() == 0.0
         assert out.loss.item() == pytest.approx(math.log(2), rel=1e-6)
         # Move an adapter: the policy changes, the reference does not.
-        for name, p in trainer.hf_model.named_parameters():
+        for name, p in trainer.parts.hf_model.named_parameters():
             if "lora_B" in name:
                 p.data.normal_(0, 0.1)
-        ref_before = reference.logps(trainer.model, batch)
-        out = trainer.objective(trainer.model, batch, torch.tensor(4))
+        ref_before = reference.logps(trainer.parts.model, batch)
+        out = trainer.parts.objective(trainer.parts.model, batch, torch.tensor(4))
         assert out.metrics["rewards_chosen"].item() != 0.0
-        torch.testing.assert_close(reference.logps(trainer.model, batch), ref_before)
+        torch.testing.assert_close(reference.logps(trainer.parts.model, batch), ref_before)
     finally:
         trainer.cleanup()
 
@@ -269,18 +274,22 @@ def test_training_writes_objective_metrics(name, tmp_path):
     assert math.isfinite(result.final_loss)
 
 
-def test_build_objective_defaults_to_sft():
+def test_build_objective_defaults_to_sft_and_needs_the_recipe_for_a_frozen_model():
     assert build_objective().name == "sft"
-    with pytest.raises(ValueError):
-        build_objective("dpo")
+    with pytest.raises(RecipeError, match="needs the recipe and the runtime"):
+        build_objective(DPOOptions())
 
 
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["objective.name=sft"], "needs a preference objective"),
+        # the dpo recipe's own keys of dpo: null meant "the default" under the previous layout
+        (
+            ["objective.name=sft", "objective.beta=null", "objective.reference=null"],
+            "needs a preference objective",
+        ),
         (["data.packing=true"], "data.packing"),
-        (["objective.reference=precomputed", "objective.name=orpo"], "uses no reference"),
+        (["objective.reference=precomputed", "objective.name=orpo"], "orpo has no option reference"),
     ],
 )
 def test_recipe_rules_refuse(overrides, message):

@@ -187,8 +187,8 @@ def test_lora_reference_is_the_policy_with_adapters_off_on_two_ranks(strategy, r
 
 def _frozen_model(trainer):
     """The objective's teacher or frozen reference as the strategy placed it; None without one."""
-    reference = getattr(trainer.objective, "reference", None)
-    return getattr(trainer.objective, "teacher", None) or getattr(reference, "model", None)
+    reference = getattr(trainer.parts.objective, "reference", None)
+    return getattr(trainer.parts.objective, "teacher", None) or getattr(reference, "model", None)
 
 
 def _placement(module) -> dict:
@@ -216,7 +216,7 @@ def _report_frozen(trainer) -> dict:
     if frozen is None:
         return {"wrapper": None}
     module = getattr(frozen, "module", frozen)  # DeepSpeed's engine holds the model
-    trained = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
+    trained = {id(p) for group in trainer.parts.optimizer.param_groups for p in group["params"]}
     return {
         "wrapper": type(frozen).__name__,
         # ZeRO-3 without an optimizer: its parameter offload manager stands in for one.

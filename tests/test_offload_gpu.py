@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from ligertune.patching.apply import patch_model
-from ligertune.training.memory.checkpointing import checkpoint_submodules
-from ligertune.training.memory.offload import MIN_OFFLOAD_BYTES, install_offload
+from ligertune.training.transforms.checkpointing import checkpoint_submodules
+from ligertune.training.transforms.offload import MIN_OFFLOAD_BYTES, install_offload
 
 pytestmark = pytest.mark.gpu  # conftest skips it without a CUDA device
 

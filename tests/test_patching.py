@@ -25,9 +25,9 @@ from transformers.models.llama import modeling_llama
 from typer.testing import CliRunner
 
 import ligertune.kernels.rms_norm as rms_kernel
+from ligertune.catalog.kernels import KERNEL_NAMES
 from ligertune.cli import app
 from ligertune.patching import patch_model
-from ligertune.patching.registry import KERNEL_NAMES
 from ligertune.tools.check import FP32_TOL, parity_check
 from tests.kernels.helpers import rel_err
 

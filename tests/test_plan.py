@@ -1,4 +1,4 @@
-"""The memory plan (`ligertune.training.memory`, ``ligertune plan``) against hand counts, against
+"""The memory plan (`ligertune.plan`, ``ligertune plan``) against hand counts, against
 what autograd really saves (measured on CPU), and on the GPU against the measured peak."""
 
 from __future__ import annotations
@@ -13,37 +13,43 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from typer.testing import CliRunner
 
+from ligertune.catalog.objectives.dpo import DPOOptions
+from ligertune.catalog.strategies import DDPParallel, DeepSpeedParallel, FSDPParallel, SingleProcess
 from ligertune.cli import app
 from ligertune.config import load_recipe
 from ligertune.config.rules import recipe_problems
 from ligertune.config.schema.training import CHECKPOINT_MODULES
+from ligertune.models.shape import frozen_shape, model_shape, recipe_shape
 from ligertune.objectives.dpo import DPO
 from ligertune.objectives.reference import Reference
 from ligertune.patching.apply import patch_model
-from ligertune.training.memory import choose
-from ligertune.training.memory.auto import resolve_auto
-from ligertune.training.memory.checkpointing import SUBMODULE_ATTRIBUTES, checkpoint_submodules
-from ligertune.training.memory.choose import base_setting, candidates, offload_slowdown, relative_speed
-from ligertune.training.memory.estimate import (
-    GIB,
-    Setting,
+from ligertune.plan import choose
+from ligertune.plan.activations import (
     activation_bytes,
     checkpointed_layer_saved,
-    estimate,
     head_fixed_bytes,
     layer_activation_bytes,
     layer_saved,
     model_saved,
     recomputed_bytes,
-    state_bytes,
 )
-from ligertune.training.memory.shape import model_shape, recipe_shape
+from ligertune.plan.choose import candidates, offload_slowdown, relative_speed
+from ligertune.plan.estimate import estimate, state_bytes
+from ligertune.plan.recipe import base_setting
+from ligertune.plan.setting import GIB, Setting
+from ligertune.training.auto import resolve_auto
+from ligertune.training.transforms.checkpointing import SUBMODULE_ATTRIBUTES, checkpoint_submodules
 from tests.helpers import QUICKSTART, ROOT, TINY_MODEL
 
 OURS = frozenset({"rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"})
 H, HEADS, KV, D, I, V = 64, 4, 2, 16, 160, 320  # noqa: E741 (the hand-counted model)
 B, S = 2, 32
 T = B * S  # tokens
+
+
+def setting_of(recipe, world_size: int) -> Setting:
+    """The recipe's `Setting`, its objective's frozen model included (as `plan` and auto read it)."""
+    return base_setting(recipe, world_size, frozen_shape(recipe))
 
 
 def tiny(layers: int = 2) -> LlamaForCausalLM:
@@ -86,7 +92,9 @@ def test_parameters_and_states_by_hand():
         "autocast bf16 weight copies": 2 * total,
     }
     assert grads == 4 * total
-    fsdp = Setting(micro_batch_size=B, seq_len=S, precision="bf16-mixed", strategy="fsdp", world_size=4)
+    fsdp = Setting(
+        micro_batch_size=B, seq_len=S, precision="bf16-mixed", parallel=FSDPParallel(), world_size=4
+    )
     states, grads = state_bytes(shape, fsdp)
     assert states["weights (sharded)"] == 4 * total // 4 and grads == 4 * total // 4
     assert states["AdamW moments (sharded)"] == 8 * total // 4
@@ -243,7 +251,7 @@ def test_dpo_saves_two_rows_per_pair_and_nothing_of_its_reference():
     measured = {}
     for layers in (2, 3):
         policy, reference = tiny(layers).train(), tiny(layers).eval().requires_grad_(False)
-        objective = DPO(0.1, Reference("frozen", model=reference), fused=False)
+        objective = DPO(DPOOptions(beta=0.1), Reference("frozen", model=reference), fused=False)
         frozen = {p.untyped_storage().data_ptr() for p in reference.parameters()}
         params = frozen | {p.untyped_storage().data_ptr() for p in policy.parameters()}
         seen: dict[int, int] = {}
@@ -257,7 +265,7 @@ def test_dpo_saves_two_rows_per_pair_and_nothing_of_its_reference():
             objective(policy, batch, torch.tensor(B))
         measured[layers] = sum(seen.values())
     shape = model_shape(tiny(2))
-    s = Setting(B, S, precision="fp32", rows_per_sample=2, objective="dpo", frozen=shape)
+    s = Setting(B, S, precision="fp32", rows_per_sample=2, loss_head="pairs", frozen=shape)
     per_token = sum(t.per_token * t.bytes_per_element for t in layer_saved(shape, s))
     assert measured[3] - measured[2] == pytest.approx(2 * T * per_token, rel=0.03)
     assert measured[2] == pytest.approx(sum(activation_bytes(shape, s).values()), rel=0.03)
@@ -273,8 +281,8 @@ def test_pairs_count_two_rows_per_sample_by_hand():
     shape = model_shape(tiny(2))
     q, kv, e = HEADS * D, KV * D, 2
     per_token = 2 * (H * e + 4 + H * e) + (q + kv + kv + q) * e + HEADS * 4 + I * e * 3
-    for objective in ("dpo", "orpo", "simpo", "kto"):
-        s = Setting(B, S, precision="bf16", kernels=OURS, rows_per_sample=2, objective=objective)
+    for head in ("pairs", "logprobs"):
+        s = Setting(B, S, precision="bf16", kernels=OURS, rows_per_sample=2, loss_head=head)
         assert s.tokens == 2 * B * S
         assert layer_activation_bytes(shape, s) == 2 * T * per_token
 
@@ -298,7 +306,7 @@ def test_dpo_recipe_doubles_the_activations_of_the_same_recipe_on_sft_data():
     )
     shape = recipe_shape(dpo)
     assert shape == recipe_shape(sft)
-    pair, single = base_setting(dpo, 1), base_setting(sft, 1)
+    pair, single = setting_of(dpo, 1), setting_of(sft, 1)
     assert (pair.rows_per_sample, single.rows_per_sample) == (2, 1)
     assert pair.kernels == single.kernels and "fused_linear_cross_entropy" in pair.kernels
     head = V_TINY * H_TINY * 4  # fp32 dW [vocab × hidden], once per model
@@ -307,7 +315,7 @@ def test_dpo_recipe_doubles_the_activations_of_the_same_recipe_on_sft_data():
     assert sum(pair_parts.values()) - head == 2 * (sum(single_parts.values()) - head)
 
 
-# tiny-llama (ligertune/models/architectures.py), the quickstarts' model, counted by hand:
+# tiny-llama (ligertune/catalog/architectures.py), the quickstarts' model, counted by hand:
 # q and o H×H, k and v H×(2 heads × 32), gate/up/down H×I, two norms; untied embeddings.
 H_TINY, I_TINY, V_TINY = 128, 352, 2048
 LAYER_TINY = 2 * H_TINY * H_TINY + 2 * H_TINY * 2 * 32 + 3 * H_TINY * I_TINY + 2 * H_TINY
@@ -326,21 +334,27 @@ def test_frozen_reference_adds_its_weights_by_hand():
     total, layer = 2 * V * H + 2 * (2 * H * H + 2 * H * KV * D + 3 * H * I + 2 * H) + H, 43136
     assert shape.params == total
     cases = [
-        ("bf16", "none", 1, "frozen reference (bf16, replica)", 2 * total),
-        ("bf16", "ddp", 4, "frozen reference (bf16, replica)", 2 * total),
-        ("bf16-mixed", "none", 1, "frozen reference (fp32, replica)", 4 * total),
-        ("bf16", "fsdp", 4, "frozen reference (bf16, sharded)", 2 * total // 4),
-        ("bf16-mixed", "fsdp", 4, "frozen reference (fp32, sharded)", 4 * total // 4),
-        ("bf16-mixed", "deepspeed", 4, "frozen reference (bf16, sharded)", 2 * total // 4),
+        ("bf16", SingleProcess(), 1, "frozen reference (bf16, replica)", 2 * total),
+        ("bf16", DDPParallel(), 4, "frozen reference (bf16, replica)", 2 * total),
+        ("bf16-mixed", SingleProcess(), 1, "frozen reference (fp32, replica)", 4 * total),
+        ("bf16", FSDPParallel(), 4, "frozen reference (bf16, sharded)", 2 * total // 4),
+        ("bf16-mixed", FSDPParallel(), 4, "frozen reference (fp32, sharded)", 4 * total // 4),
+        ("bf16-mixed", DeepSpeedParallel(), 4, "frozen reference (bf16, sharded)", 2 * total // 4),
     ]
     for precision, strategy, world, name, expected in cases:
         plain = Setting(
-            B, S, precision=precision, strategy=strategy, world_size=world, kernels=OURS, rows_per_sample=2
+            B,
+            S,
+            precision=precision,
+            parallel=strategy,
+            world_size=world,
+            kernels=OURS,
+            rows_per_sample=2,
         )
-        with_reference = replace(plain, objective="dpo", frozen=shape)
+        with_reference = replace(plain, loss_head="pairs", frozen=shape)
         states, _ = state_bytes(shape, with_reference)
         assert states[name] == expected, (precision, strategy)
-        a, b = estimate(shape, with_reference), estimate(shape, replace(plain, objective="dpo"))
+        a, b = estimate(shape, with_reference), estimate(shape, replace(plain, loss_head="pairs"))
         for moment in ("loss (end of forward)", "start of backward", "end of backward"):
             assert a.moments[moment] - b.moments[moment] == expected, (precision, strategy, moment)
         assert not any("frozen" in k for k in (*b.states, *b.temporaries, *b.moments))
@@ -348,12 +362,12 @@ def test_frozen_reference_adds_its_weights_by_hand():
     # (without gradients), one layer's working set at 2T tokens (gate, up, product and four
     # hidden-sized tensors) and its head (final hidden states and one logits chunk: all 2T rows
     # fit the default budget). Under FSDP2 also two gathered layers and the root, in bf16.
-    s = Setting(B, S, precision="bf16", kernels=OURS, rows_per_sample=2, objective="dpo", frozen=shape)
+    s = Setting(B, S, precision="bf16", kernels=OURS, rows_per_sample=2, loss_head="pairs", frozen=shape)
     b = estimate(shape, s)
     states = 2 * total + 4 * total + 2 * total  # weights, moments, reference
     working = 2 * T * (3 * I * 2 + 4 * H * 2) + 2 * T * H * 2 + 2 * T * V * 2
     assert b.moments["frozen reference forward (before the policy's)"] == states + working
-    fsdp = estimate(shape, replace(s, strategy="fsdp", world_size=4))
+    fsdp = estimate(shape, replace(s, parallel=FSDPParallel(), world_size=4))
     gathered = (2 * layer + 2 * V * H) * 2
     assert (
         fsdp.temporaries["frozen reference: FSDP2 gathered layers (current + prefetch) and root"] == gathered
@@ -368,7 +382,7 @@ def test_recipes_hold_a_frozen_model_only_where_there_is_one():
     train on pairs."""
     for name in ("dpo", "kto"):
         r = _recipe(name, "training.precision=bf16")
-        s = base_setting(r, 1)
+        s = setting_of(r, 1)
         assert s.frozen == replace(recipe_shape(r), lora_params=0) and s.frozen.params == tiny_llama_params(2)
         assert estimate(recipe_shape(r), s).states[
             "frozen reference (bf16, replica)"
@@ -381,7 +395,7 @@ def test_recipes_hold_a_frozen_model_only_where_there_is_one():
         ("simpo", []),
     ):
         r = _recipe(name, *overrides)
-        s = base_setting(r, 1)
+        s = setting_of(r, 1)
         assert s.frozen is None and s.rows_per_sample == 2, (name, overrides)
         b = estimate(recipe_shape(r), s)
         assert not any("frozen" in k for k in (*b.states, *b.temporaries, *b.moments)), (name, overrides)
@@ -389,7 +403,7 @@ def test_recipes_hold_a_frozen_model_only_where_there_is_one():
     # DPO fits neither in bf16 (10.4 MB) nor with adapters beside a frozen copy (12.9 MB), but
     # with adapters alone (9.3 MB).
     r = _recipe("dpo")
-    shape, base = recipe_shape(r), base_setting(r, 1)
+    shape, base = recipe_shape(r), setting_of(r, 1)
     fix = choose.cheapest_fix(shape, base, 10_500_000)
     assert fix.startswith("a lora section") and "adapters off" in fix
     smallest = replace(base, micro_batch_size=1, checkpointing="full")
@@ -402,21 +416,21 @@ def test_distill_teacher_adds_its_own_size():
     parameters, not the student's, are added (fp32 here, bf16 in bf16), sharded under FSDP2;
     and its forward, inside the student's loss, brings its gathered layers and root there."""
     r = _recipe("distill")
-    shape, s = recipe_shape(r), base_setting(r, 1)
+    shape, s = recipe_shape(r), setting_of(r, 1)
     assert shape.params == tiny_llama_params(2) and s.frozen.params == tiny_llama_params(3)
     assert s.rows_per_sample == 1 and s.frozen_role == "teacher"
-    sft = replace(s, objective="sft", frozen=None)  # the same student, no teacher
+    sft = replace(s, loss_head="causal", frozen=None)  # the same student, no teacher
     a, b = estimate(shape, s), estimate(shape, sft)
     assert a.states["frozen teacher (fp32, replica)"] == 4 * tiny_llama_params(3)
     for moment in ("start of backward", "end of backward"):
         assert a.moments[moment] - b.moments[moment] == 4 * tiny_llama_params(3)
     assert a.moments["loss (end of forward)"] - b.moments["loss (end of forward)"] > 4 * tiny_llama_params(3)
-    bf16 = base_setting(_recipe("distill", "training.precision=bf16", "parallel.strategy=fsdp"), 4)
+    bf16 = setting_of(_recipe("distill", "training.precision=bf16", "parallel.strategy=fsdp"), 4)
     c = estimate(shape, bf16)
     assert c.states["frozen teacher (bf16, sharded)"] == 2 * tiny_llama_params(3) // 4
     gathered = (2 * LAYER_TINY + 2 * V_TINY * H_TINY) * 2
     assert c.temporaries["frozen teacher: FSDP2 gathered layers (current + prefetch) and root"] == gathered
-    c_no_teacher = estimate(shape, replace(bf16, objective="sft", frozen=None))
+    c_no_teacher = estimate(shape, replace(bf16, loss_head="causal", frozen=None))
     assert (
         c.moments["start of backward"] - c_no_teacher.moments["start of backward"]
         == 2 * tiny_llama_params(3) // 4
@@ -455,13 +469,13 @@ def test_plan_within_10_percent_of_published_peaks(recipe, overrides, world, mea
     with the current code, the 4-GPU 8B lines on H200s before the plan existed. A regression check
     of the model against measurements; scripts/gpu_plan_accuracy.sh remeasures."""
     r = load_recipe(ROOT / "recipes" / recipe, overrides)
-    predicted = estimate(recipe_shape(r), base_setting(r, world)).peak / GIB
+    predicted = estimate(recipe_shape(r), setting_of(r, world)).peak / GIB
     assert predicted == pytest.approx(measured_gib, rel=0.10)
 
 
 def test_checkpointing_and_offload_lower_the_estimate():
     r = load_recipe(ROOT / "recipes" / "llama3.2-1b-alpaca-bench.yaml", [])
-    shape, base = recipe_shape(r), base_setting(r, 1)
+    shape, base = recipe_shape(r), setting_of(r, 1)
     peaks = [
         estimate(shape, replace(base, checkpointing=c, offload=o)).peak
         for c, o in (("none", False), ("selective", False), ("none", True), ("full", False))
@@ -487,7 +501,7 @@ def test_offload_costs_the_pcie_time_the_layer_cannot_hide(monkeypatch):
         ROOT / "recipes" / "llama3-8b-alpaca-bench.yaml",
         ["parallel.strategy=none", "training.precision=bf16"],
     )
-    shape, base = recipe_shape(r), replace(base_setting(r, 1), offload=True)
+    shape, base = recipe_shape(r), replace(setting_of(r, 1), offload=True)
     assert shape.layer_params == 218_112_000
     assert offload_slowdown(shape, base) == pytest.approx(
         2 * (139_400 / 50e9) / (6 * 218_112_000 / 400e12) - 1
@@ -648,5 +662,5 @@ def test_plan_predicts_the_measured_peak_on_gpu(tmp_path, kernels, checkpointing
     measured = (
         max(r["peak_mem_allocated_gib"] for r in records if r.get("peak_mem_allocated_gib")) - left_over
     )
-    predicted = estimate(recipe_shape(recipe), base_setting(recipe, 1)).peak / GIB
+    predicted = estimate(recipe_shape(recipe), setting_of(recipe, 1)).peak / GIB
     assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ligertune.catalog.kernels import KERNEL_NAMES
 from ligertune.config import (
     Recipe,
     RecipeError,
@@ -18,10 +19,10 @@ from ligertune.config import (
     recipe_to_yaml,
     validate_recipe,
 )
-from ligertune.patching.registry import KERNEL_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 BROKEN = Path(__file__).resolve().parent / "recipes"
+QUICKSTART = ROOT / "recipes" / "quickstart.yaml"
 SHIPPED = sorted((ROOT / "recipes").glob("*.yaml"))
 
 # Each broken recipe in tests/recipes and a fragment its error must contain. Problems that
@@ -191,3 +192,32 @@ def test_a_saved_recipe_reads_back_as_the_same_recipe(path):
     recipe = load_recipe(path)
     again = validate_recipe(yaml.safe_load(recipe_to_yaml(recipe)), base_dir=path.parent)
     assert again.model_dump() == recipe.model_dump()
+
+
+PREVIOUS_LAYOUT = ROOT / "tests" / "data" / "previous_layout"
+
+
+@pytest.mark.parametrize("path", sorted(PREVIOUS_LAYOUT.glob("*.yaml")), ids=lambda p: p.stem)
+def test_a_recipe_saved_by_the_previous_layout_reads_as_the_shipped_recipe(path):
+    """Before objectives and strategies were one options model each, `recipe_to_yaml` wrote every
+    objective's and every strategy's options into every recipe.yaml a checkpoint keeps (these
+    files are what that code wrote for the shipped recipes). They read as the shipped recipes:
+    the options of objectives and strategies not chosen, at the values that had no effect, are
+    dropped."""
+    assert load_recipe(path).model_dump() == load_recipe(ROOT / "recipes" / path.name).model_dump()
+
+
+def test_an_option_of_another_objective_or_strategy_names_the_ones_it_belongs_to():
+    """A key that had no effect under the old layout with a value other than its default is an
+    error now, naming the objectives (or strategies) that read it."""
+    with pytest.raises(RecipeError) as e:
+        load_recipe(QUICKSTART, ["objective.beta=0.3"])
+    assert e.value.problems == [
+        "objective.beta: objective.name sft has no option beta (an option of dpo, orpo, simpo and kto); "
+        "remove it, or set objective.name to one of dpo, orpo, simpo, kto"
+    ]
+    with pytest.raises(RecipeError) as e:
+        load_recipe(QUICKSTART, ["parallel.strategy=ddp", "parallel.fsdp.cpu_offload=true"])
+    assert e.value.problems[0].startswith("parallel.fsdp: parallel.strategy ddp has no option fsdp")
+    with pytest.raises(RecipeError, match=r"objective.name: got 'dppo'; did you mean dpo\?"):
+        load_recipe(QUICKSTART, ["objective.name=dppo"])

@@ -1,5 +1,6 @@
 """docs/recipes.md is generated from the schema; these tests keep the two in step."""
 
+import typing
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -10,10 +11,22 @@ from ligertune.config.docs import render
 DOC = Path(__file__).resolve().parent.parent / "docs" / "recipes.md"
 
 
-def leaf_keys(model: type[BaseModel], prefix: str = ""):
+def _models(annotation) -> list[type[BaseModel]]:
+    """The section models a field holds: itself, the one model of an optional section (lora), or
+    every member of a section that is one of several (objective, parallel)."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    members = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    return [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+
+
+def leaf_keys(model: type[BaseModel], prefix: str = "", top: bool = True):
     for name, field in model.model_fields.items():
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            yield from leaf_keys(field.annotation, f"{prefix}{name}.")
+        # nested model sections (a reference model) are one row of their own
+        models = _models(field.annotation) if top or _models(field.annotation) == [field.annotation] else []
+        if models:
+            for section in models:
+                yield from leaf_keys(section, f"{prefix}{name}.", top=False)
         else:
             yield f"{prefix}{name}"
 

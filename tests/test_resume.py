@@ -10,21 +10,25 @@ them. One micro-batch per step, so forward n is the n-th step this process runs.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable
 
 import pytest
 import torch
+import yaml
 
 from ligertune.config import RecipeError, load_recipe
 from ligertune.run.checkpoint import load_checkpoint
+from ligertune.run.manifest import write_manifest
 from ligertune.training import TrainingError, train
 from ligertune.training.optim import lr_factor
 from ligertune.training.resume import RESUME_RULES, WORLD_SIZE, recipe_changes
 from ligertune.training.trainer import Trainer
-from tests.helpers import QUICKSTART
+from tests.helpers import QUICKSTART, ROOT
 from tests.test_train import read_metrics, tiny_recipe
 
 THIS = "tests.test_resume"
+PREVIOUS_LAYOUT = ROOT / "tests" / "data" / "previous_layout"
 
 
 def _nan_loss_on(forward: Callable[[int], bool]):
@@ -74,11 +78,14 @@ def test_a_resume_applies_the_new_lr_schedule_and_optimizer_settings(tmp_path, c
     trainer = Trainer(tiny_recipe(tmp_path, *changed))
     try:
         trainer.setup()
-        assert trainer.step == 4
-        groups = trainer.optimizer.param_groups
+        assert trainer.state.step == 4
+        groups = trainer.parts.optimizer.param_groups
         assert [g["weight_decay"] for g in groups] == [0.05, 0.0]
         assert all(tuple(g["betas"]) == (0.8, 0.9) and g["eps"] == 1e-6 for g in groups)
-        assert all(g["initial_lr"] == 5e-4 for g in groups) and trainer.scheduler.base_lrs == [5e-4, 5e-4]
+        assert all(g["initial_lr"] == 5e-4 for g in groups) and trainer.parts.scheduler.base_lrs == [
+            5e-4,
+            5e-4,
+        ]
         trainer.train()
     finally:
         trainer.cleanup()
@@ -243,16 +250,18 @@ def test_every_resume_rule_names_a_recipe_key():
 
     from ligertune.config import Recipe
 
-    def exists(dotted: str) -> bool:
-        model = Recipe
-        for part in dotted.split("."):
-            if (
-                not (isinstance(model, type) and issubclass(model, BaseModel))
-                or part not in model.model_fields
-            ):
-                return False
-            model = model.model_fields[part].annotation
-        return True
+    def models(annotation) -> list[type[BaseModel]]:
+        """The models a field holds: itself, or every member of a union (the chosen sections)."""
+        if typing.get_origin(annotation) is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+        members = typing.get_args(annotation) or (annotation,)
+        return [m for m in members if isinstance(m, type) and issubclass(m, BaseModel)]
+
+    def exists(dotted: str, model: type[BaseModel] = Recipe) -> bool:
+        part, _, rest = dotted.partition(".")
+        if part not in model.model_fields:
+            return False
+        return not rest or any(exists(rest, m) for m in models(model.model_fields[part].annotation))
 
     unknown = [key for key in RESUME_RULES if key not in ("", WORLD_SIZE) and not exists(key)]
     assert unknown == []
@@ -319,3 +328,24 @@ def test_no_skip_limit_lets_every_step_be_skipped(tmp_path):
     )
     assert train(recipe).steps == 6
     assert _records(tmp_path)[6]["skipped_steps"] == 5
+
+
+def test_a_checkpoint_of_the_previous_layout_resumes(tmp_path):
+    """A checkpoint whose recipe.yaml the previous layout wrote (every objective's and every
+    strategy's options, at the values that had no effect) resumes as if it had been written now:
+    no key counts as changed."""
+    train(tiny_recipe(tmp_path, "training.max_steps=2", "checkpoint.every_steps=2"))
+    checkpoint = tmp_path / "checkpoints" / "step-2"
+    saved = yaml.safe_load((checkpoint / "recipe.yaml").read_text())
+    previous = yaml.safe_load((PREVIOUS_LAYOUT / "quickstart.yaml").read_text())
+    saved["objective"] = previous["objective"]  # all fourteen keys of the old objective section
+    saved["parallel"] = {**previous["parallel"], "strategy": saved["parallel"]["strategy"]}
+    (checkpoint / "recipe.yaml").write_text(yaml.safe_dump(saved, sort_keys=False))
+    write_manifest(checkpoint)  # the edit is ours, not damage
+    trainer = Trainer(tiny_recipe(tmp_path, "training.max_steps=4", "checkpoint.every_steps=2"))
+    try:
+        trainer.setup()
+        assert trainer.state.step == 2 and trainer.state.last_saved == checkpoint
+        assert trainer.train().steps == 4
+    finally:
+        trainer.cleanup()

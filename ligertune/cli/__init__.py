@@ -1,7 +1,7 @@
 """The `ligertune` command line: a thin Typer shell over the modules that do the work.
 
-`common` holds the app, its global options and the error printing; each other module registers
-its commands on that app when imported: `recipes` (validate, recipes, env), `run` (train, plan,
+`common` holds the app, its global options and the one error handler every command is registered
+with (`common.command`); each other module registers its commands on that app when imported: `recipes` (validate, recipes, env), `run` (train, plan,
 preprocess, bench, compare) and `models` (generate, download).
 """
 
@@ -16,17 +16,13 @@ from ligertune.cli import run  # noqa: F401
 from ligertune.cli import models  # noqa: F401
 
 # isort: on
-from ligertune.cli.common import app, fail
-from ligertune.errors import RecipeError
+from ligertune.cli.common import app
 
 __all__ = ["app", "main"]
 
 
 def main() -> None:
-    try:
-        app()
-    except RecipeError as e:
-        fail(e)
+    app()
 
 
 if __name__ == "__main__":

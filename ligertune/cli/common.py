@@ -1,18 +1,22 @@
 """The Typer app every command registers on, its global options, and how errors are printed.
 
-Every command that reads a recipe validates it first; recipe problems print one line each
-(no traceback) and exit with status 2.
+Every command is registered through `command`, which reports any `ligertune.errors.LigertuneError`
+it raises in one place: one line per problem (no traceback), prefixed with the rank under
+torchrun, and the exit status the error's kind means (`LigertuneError.exit_code`: 2 for a recipe,
+data or usage mistake, 1 when a run cannot go on or something outside failed).
 """
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
 
 import typer
 from rich.markup import escape
 
 from ligertune import __version__
-from ligertune.errors import RecipeError
+from ligertune.errors import LigertuneError, UsageError
 from ligertune.run.loggers import configure_logging, make_console
 
 app = typer.Typer(
@@ -57,7 +61,7 @@ def global_options(
 ) -> None:
     global verbosity
     if quiet and verbose:
-        _print_error("--quiet and --verbose contradict each other; give one")
+        report(UsageError("--quiet and --verbose contradict each other; give one"))
         raise typer.Exit(2)
     verbosity = "quiet" if quiet else "verbose" if verbose else "normal"
     configure_logging(verbosity, console)
@@ -68,18 +72,49 @@ def global_options(
         os.environ["LIGERTUNE_VERBOSE"] = "1"
 
 
-def fail(error: RecipeError, who: str = "") -> None:
-    """Print a recipe error (`who`: the rank that hit it, in a multi-process run) and exit 2."""
-    source = escape(error.source + ": ") if error.source else ""
-    err_console.print(f"[bold red]error:[/] {escape(who)}{source}invalid recipe", soft_wrap=True)
-    for problem in error.problems:
-        err_console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
-    raise typer.Exit(2)
+def report(error: LigertuneError) -> None:
+    """Print `error` as the CLI shows every error: ``error:`` and its lines, the first prefixed
+    with the rank that hit it in a multi-process run, never wrapped or read as markup."""
+    who = ""
+    if "WORLD_SIZE" in os.environ:  # under a launcher, where torch is imported anyway
+        from ligertune.distributed.env import rank_label
+
+        who = rank_label()
+    first, *rest = error.lines
+    err_console.print(f"[bold red]error:[/] {escape(who + first)}", highlight=False, soft_wrap=True)
+    for line in rest:
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
-def _print_error(message: str) -> None:
-    """One error line, never wrapped (a path stays whole) and never read as markup."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+def reporting(function: Callable) -> Callable:
+    """`function` with every `LigertuneError` it raises reported (`report`) and turned into the
+    exit status of its kind."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except LigertuneError as error:
+            report(error)
+            raise typer.Exit(error.exit_code) from None
+
+    return run
+
+
+def command(*args, on: typer.Typer = app, **kwargs) -> Callable:
+    """Register a command on `on` (the app, or a sub-app) with its errors reported: the
+    decorator every command uses instead of Typer's own."""
+
+    def register(function: Callable) -> Callable:
+        on.command(*args, **kwargs)(reporting(function))
+        return function
+
+    return register
+
+
+def usage(message: str) -> UsageError:
+    """An error in how a command was called, for ``raise usage(...)``."""
+    return UsageError(message)
 
 
 def _print_problems(header: str, problems: list[str]) -> None:

@@ -7,17 +7,11 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from ligertune.cli.common import (
-    _print_error,
-    _print_line,
-    app,
-    console,
-    err_console,
-)
+from ligertune.cli.common import _print_line, command, console, err_console
 from ligertune.config import load_recipe
 
 
-@app.command()
+@command()
 def generate(
     run_or_model: str = typer.Argument(..., help="Run directory, Hugging Face model directory, or hub id."),
     prompt: str = typer.Option(..., "--prompt", "-p", help="The prompt to complete."),
@@ -45,16 +39,11 @@ def generate(
 
       ligertune generate meta-llama/Llama-3.2-1B-Instruct --prompt "Hi" --temperature 0.7
     """
-    from ligertune.tools.generate import GenerateError
     from ligertune.tools.generate import generate as run_generate
 
-    try:
-        result = run_generate(
-            run_or_model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, chat=chat
-        )
-    except GenerateError as e:
-        _print_error(str(e))
-        raise typer.Exit(2) from None
+    result = run_generate(
+        run_or_model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, chat=chat
+    )
     how = "chat template" if result.chat else "plain prompt"
     err_console.print(
         f"[dim]{escape(result.source.describe())} on {result.device}, {how}[/]",
@@ -64,7 +53,7 @@ def generate(
     console.print(result.completion, markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command()
+@command()
 def download(
     recipe: Path = typer.Argument(..., help="Recipe file."),
     overrides: list[str] | None = typer.Argument(None, help="key=value overrides, e.g. model.revision=main."),
@@ -80,15 +69,9 @@ def download(
 
       ligertune download recipes/llama3-8b-alpaca.yaml
     """
-    from ligertune.tools.hub import HubError
     from ligertune.tools.hub import download as run_download
 
-    loaded = load_recipe(recipe, overrides or [])
-    try:
-        done = run_download(loaded, report=_print_line)
-    except HubError as e:
-        _print_error(str(e))
-        raise typer.Exit(1) from None
+    done = run_download(load_recipe(recipe, overrides or []), report=_print_line)
     if not done:
         console.print(
             "nothing to download: the recipe's model, tokenizer and data are local", highlight=False

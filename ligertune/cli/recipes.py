@@ -10,13 +10,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from ligertune.cli.common import (
-    _print_error,
-    _print_problems,
-    app,
-    console,
-    recipes_app,
-)
+from ligertune.cli.common import _print_problems, command, console, recipes_app, usage
 from ligertune.config import load_recipe, recipe_to_yaml, shipped_recipes
 from ligertune.config.rules import model_problems
 from ligertune.errors import RecipeError
@@ -30,7 +24,7 @@ class Format(str, Enum):
     none = "none"
 
 
-@app.command()
+@command()
 def validate(
     recipes: list[str] = typer.Argument(
         ..., help="Recipe files, optionally followed by key=value overrides."
@@ -61,11 +55,10 @@ def validate(
     files = [p for p in recipes if "=" not in p]
     overrides = [p for p in recipes if "=" in p]
     if not files:
-        _print_error(
+        raise usage(
             "name a recipe file before the key=value overrides, "
             "e.g. ligertune validate recipes/quickstart.yaml training.lr=1e-4"
         )
-        raise typer.Exit(2)
     failed = parity_failed = False
     for file in files:
         try:
@@ -174,7 +167,7 @@ def _raw_description(path: Path) -> str:
     return str(raw.get("description", "")) if isinstance(raw, dict) else ""
 
 
-@recipes_app.command("cp")
+@command("cp", on=recipes_app)
 def recipes_cp(
     name: str = typer.Argument(..., help="Shipped recipe name (see `ligertune recipes`)."),
     dest: Path = typer.Argument(..., help="Where to write the copy."),
@@ -192,26 +185,22 @@ def recipes_cp(
 
         close = difflib.get_close_matches(name, list(available), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
-        _print_error(f"no shipped recipe named {name!r}{hint}")
-        raise typer.Exit(2)
+        raise usage(f"no shipped recipe named {name!r}{hint}")
     if dest.is_dir():
         dest = dest / source.name
     if dest.exists():
-        _print_error(f"{dest} exists; not overwriting it")
-        raise typer.Exit(2)
+        raise usage(f"{dest} exists; not overwriting it")
     if not dest.parent.is_dir():
         what = "is a file" if dest.parent.exists() else "does not exist"
-        _print_error(f"cannot write {dest}: the folder {dest.parent} {what}; create the folder first")
-        raise typer.Exit(2)
+        raise usage(f"cannot write {dest}: the folder {dest.parent} {what}; create the folder first")
     try:
         shutil.copyfile(source, dest)
     except OSError as e:
-        _print_error(f"cannot write {dest}: {e.strerror}")
-        raise typer.Exit(2) from None
+        raise usage(f"cannot write {dest}: {e.strerror}") from None
     console.print(f"wrote {dest}", markup=False, highlight=False, soft_wrap=True)
 
 
-@app.command()
+@command()
 def env() -> None:
     """Versions of the stack, the GPUs seen, and how the kernels will run.
 

@@ -5,17 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.markup import escape
 
 from ligertune.cli import common
-from ligertune.cli.common import (
-    _print_error,
-    _print_line,
-    app,
-    console,
-    err_console,
-    fail,
-)
+from ligertune.cli.common import _print_line, command, console, usage
 from ligertune.config import load_recipe
 from ligertune.config.loading import resolve_recipe_path
 from ligertune.config.rules import model_problems
@@ -23,7 +15,7 @@ from ligertune.errors import RecipeError
 from ligertune.run.loggers import configure_logging
 
 
-@app.command()
+@command()
 def train(
     recipe: Path = typer.Argument(..., help="Recipe file."),
     overrides: list[str] | None = typer.Argument(None, help="key=value overrides, e.g. training.lr=1e-4."),
@@ -61,41 +53,25 @@ def train(
       ligertune train my.yaml --nnodes 2 --nproc-per-node 8 --rdzv-endpoint node0:29500
     """
 
-    from ligertune.distributed.env import launched_as, rank_label
-    from ligertune.distributed.launch import LaunchError, LaunchOptions, check_options, launch, record_errors
-    from ligertune.errors import DataError, TrainingError
+    from ligertune.distributed.env import launched_as
+    from ligertune.distributed.launch import LaunchOptions, check_options, launch, record_errors
     from ligertune.training import train as run_training
 
     recipe = resolve_recipe_path(recipe)
     options = LaunchOptions(nproc_per_node, nnodes, node_rank, rdzv_endpoint)
     if options.requested:
-        try:
-            check_options(options, load_recipe(recipe, overrides or []))
-        except RecipeError as e:
-            fail(e)
-        except LaunchError as e:
-            err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+        check_options(options, load_recipe(recipe, overrides or []))
         raise typer.Exit(launch(recipe, overrides or [], options))
 
-    who = rank_label()  # "rank 1/4: " under torchrun, so every rank's error names it
-    if who:  # one copy of each line: the other ranks show warnings and errors only
-        configure_logging(common.verbosity, console, main=launched_as().rank == 0)
-    try:
-        result = record_errors(run_training)(load_recipe(recipe, overrides or []))
-    except RecipeError as e:
-        fail(e, who)
-    except DataError as e:
-        err_console.print(f"[bold red]error:[/] {who}{escape(str(e))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
-    except TrainingError as e:
-        err_console.print(f"[bold red]error:[/] {who}{escape(str(e))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1) from None
+    launched = launched_as()
+    if launched.multi_process:  # one copy of each line: the other ranks show warnings and errors only
+        configure_logging(common.verbosity, console, main=launched.rank == 0)
+    result = record_errors(run_training)(load_recipe(recipe, overrides or []))
     if result.signal is not None:
         raise typer.Exit(128 + result.signal)
 
 
-@app.command()
+@command()
 def plan(
     recipe: Path = typer.Argument(..., help="Recipe file."),
     overrides: list[str] | None = typer.Argument(
@@ -125,23 +101,17 @@ def plan(
     from ligertune.tools.plan import gpu_bytes
     from ligertune.tools.plan import plan as run_plan
 
-    try:
-        loaded = load_recipe(resolve_recipe_path(recipe), overrides or [])
-        problems = model_problems(loaded)
-        if problems:
-            raise RecipeError(problems)
-        world = world_size or (2 if loaded.parallel.strategy != "none" else 1)
-        result = run_plan(loaded, world, gpu_bytes(gpu_memory), console)
-    except RecipeError as e:
-        fail(e)
-    except ValueError as e:
-        _print_error(str(e))
-        raise typer.Exit(2) from None
+    loaded = load_recipe(resolve_recipe_path(recipe), overrides or [])
+    problems = model_problems(loaded)
+    if problems:
+        raise RecipeError(problems)
+    world = world_size or (2 if loaded.parallel.multi_process else 1)
+    result = run_plan(loaded, world, gpu_bytes(gpu_memory), console)
     if not result.fits:
         raise typer.Exit(2)
 
 
-@app.command()
+@command()
 def preprocess(
     recipe: Path = typer.Argument(..., help="Recipe file."),
     overrides: list[str] | None = typer.Argument(
@@ -158,28 +128,19 @@ def preprocess(
       ligertune preprocess recipes/llama3-8b-alpaca.yaml data.max_seq_len=4096
     """
     from ligertune.data import cache_entry, load_tokenizer
-    from ligertune.errors import DataError
 
-    try:
-        loaded = load_recipe(recipe, overrides or [])
-        if loaded.data.streaming:
-            _print_error(
-                "data.streaming: streamed data is tokenised while training; there is nothing to preprocess"
-            )
-            raise typer.Exit(2)
-        if not loaded.data.cache:
-            _print_error("data.cache is false: set it to true (the default) to keep the tokenised samples")
-            raise typer.Exit(2)
-        directory, existed = cache_entry(loaded, load_tokenizer(loaded), log=_print_line)
-    except RecipeError as e:
-        fail(e)
-    except DataError as e:
-        _print_error(str(e))
-        raise typer.Exit(2) from None
+    loaded = load_recipe(recipe, overrides or [])
+    if loaded.data.streaming:
+        raise usage(
+            "data.streaming: streamed data is tokenised while training; there is nothing to preprocess"
+        )
+    if not loaded.data.cache:
+        raise usage("data.cache is false: set it to true (the default) to keep the tokenised samples")
+    directory, existed = cache_entry(loaded, load_tokenizer(loaded), log=_print_line)
     _print_line(f"{'already cached' if existed else 'cached'}: {directory}")
 
 
-@app.command()
+@command()
 def bench(
     kernels: str = typer.Option(
         "all", "--kernels", "-k", help="Comma list of kernels (the recipe names, plus add_rms_norm), or all."
@@ -224,19 +185,17 @@ def bench(
       ligertune bench --from-json runs/bench/bench.json --out runs/bench
     """
 
-    from ligertune.tools.bench import BenchError, BenchOptions, run_command
+    from ligertune.tools.bench import BenchOptions, run_command
 
-    opts = BenchOptions(
-        kernels, providers, dtype, shape, passes, out, quick, warmup, rep, time_budget, from_json
+    run_command(
+        BenchOptions(
+            kernels, providers, dtype, shape, passes, out, quick, warmup, rep, time_budget, from_json
+        ),
+        console,
     )
-    try:
-        run_command(opts, console)
-    except BenchError as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
 
 
-@app.command()
+@command()
 def compare(
     recipe: Path = typer.Argument(..., help="Recipe file."),
     overrides: list[str] | None = typer.Argument(None, help="key=value overrides applied to every arm."),
@@ -280,25 +239,19 @@ def compare(
       ligertune compare recipes/llama3-8b-alpaca-bench.yaml --nproc-per-node 4 parallel.strategy=fsdp
     """
 
-    from ligertune.tools.compare import CompareError, compare_command
+    from ligertune.tools.compare import compare_command
 
-    try:
-        status = compare_command(
-            resolve_recipe_path(recipe),
-            overrides or [],
-            console,
-            steps=steps,
-            kernels=kernels,
-            ablate=ablate,
-            out=out,
-            nproc_per_node=nproc_per_node,
-            rtol=rtol,
-            also=also,
-        )
-    except RecipeError as e:
-        fail(e)
-    except CompareError as e:
-        err_console.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(2) from None
+    status = compare_command(
+        resolve_recipe_path(recipe),
+        overrides or [],
+        console,
+        steps=steps,
+        kernels=kernels,
+        ablate=ablate,
+        out=out,
+        nproc_per_node=nproc_per_node,
+        rtol=rtol,
+        also=also,
+    )
     if status:
         raise typer.Exit(status)

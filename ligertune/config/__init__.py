@@ -2,11 +2,11 @@
 
     recipe = load_recipe("recipes/quickstart.yaml", ["training.lr=1e-4"])   # RecipeError if invalid
 
-`schema` holds one pydantic model per section, `loading` reads YAML and applies overrides,
-`rules` holds every rule that relates keys to each other or to the machine, `architectures` the
-shipped random-init configs, `paths` how recipe paths resolve, `deepspeed` the DeepSpeed config
-a recipe implies, and `docs` renders docs/recipes.md from all of it. This package imports
-neither torch nor transformers: reading a recipe is instant.
+`schema` holds one pydantic model per section (the objective's and the parallel strategy's are
+the catalog's, `ligertune.catalog`), `loading` reads YAML and applies overrides, `rules` holds
+every rule that relates keys to each other or to the machine (with those each component
+declares), and `docs` renders docs/recipes.md from all of it. This package imports neither torch
+nor transformers: reading a recipe is instant.
 """
 
 from ligertune.config.loading import (
@@ -23,7 +23,6 @@ from ligertune.config.schema import (
     KernelsSection,
     LoggingSection,
     ModelSection,
-    ParallelSection,
     Recipe,
     TrainingSection,
 )
@@ -38,7 +37,6 @@ __all__ = [
     "KernelsSection",
     "LoggingSection",
     "ModelSection",
-    "ParallelSection",
     "Recipe",
     "RecipeError",
     "TrainingSection",

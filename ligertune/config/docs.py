@@ -6,14 +6,17 @@ committed file differs from what the schema renders.
 
 from __future__ import annotations
 
+import types
 import typing
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
+from ligertune.catalog.kernels import KERNEL_NAMES
+from ligertune.catalog.objectives import OBJECTIVES
+from ligertune.catalog.strategies import STRATEGIES
 from ligertune.config.rules import RULES
 from ligertune.config.schema import Recipe
-from ligertune.patching.registry import KERNEL_NAMES
 
 HEADER = """# Recipe reference
 
@@ -38,7 +41,7 @@ def _type_name(annotation) -> str:
     origin = typing.get_origin(annotation)
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(annotation))
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(annotation))
     if origin is not None:
         args = ", ".join(_type_name(a) for a in typing.get_args(annotation) if a is not Ellipsis)
@@ -63,31 +66,74 @@ def _default(field) -> str:
     return f"`{field.default}`"
 
 
-def _sections(model: type[BaseModel], prefix: str):
+def _section_model(annotation, optional: bool) -> type[BaseModel] | None:
+    """The section model a field holds: itself, or with `optional` the one model of an optional
+    section (``lora``)."""
+    members = [a for a in typing.get_args(annotation) if a is not type(None)] if optional else []
+    candidate = members[0] if len(members) == 1 else annotation
+    return candidate if isinstance(candidate, type) and issubclass(candidate, BaseModel) else None
+
+
+# The sections that are one model per component, told apart by a key.
+_CHOSEN = {choice.section: choice for choice in (OBJECTIVES, STRATEGIES)}
+
+
+def _row(key: str, field) -> str:
+    return f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | {field.description} |"
+
+
+def _sections(model: type[BaseModel], prefix: str, title: str = "", skip: tuple[str, ...] = ()):
+    """(title, summary, rows) of `model`'s section and then of each section inside it. Optional
+    sections are expanded at the top level only (a nested model section, a reference model,
+    stays one row)."""
     rows, children = [], []
     for name, field in model.model_fields.items():
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            children.append((f"{prefix}{name}", annotation, field.description))
+        if name in skip:
             continue
-        rows.append(
-            f"| `{prefix}{name}` | {_type_name(annotation)} | {_default(field)} | {field.description} |"
-        )
-    yield prefix.rstrip(".") or "top level", rows
-    for path, child, _ in children:
-        yield from _sections(child, f"{path}.")
+        child = _section_model(field.annotation, optional=not prefix)
+        if f"{prefix}{name}" in _CHOSEN:
+            children.append((f"{prefix}{name}", None))
+        elif child is not None:
+            children.append((f"{prefix}{name}", child))
+        else:
+            rows.append(_row(f"{prefix}{name}", field))
+    yield title or prefix.rstrip(".") or "top level", "", rows
+    for path, child in children:
+        if child is None:
+            yield from _chosen(path)
+        else:
+            # inside a component's section: ``parallel.fsdp (strategy: fsdp)``
+            yield from _sections(child, f"{path}.", path + title[title.find(" (") :] if title else "")
+
+
+def _chosen(path: str):
+    """A section that is one model per component: the keys they share, then each one's own."""
+    choice = _CHOSEN[path]
+    key, first = choice.key, choice.default
+    shared = [k for k in first.model_fields if all(k in c.model_fields for c in choice)]
+    names = " \\| ".join(f"`{name}`" for name in choice.names)
+    rows = [f"| `{path}.{key}` | {names} | `{choice.name_of(first)}` | Which one; its own keys follow. |"]
+    rows += [_row(f"{path}.{k}", first.model_fields[k]) for k in shared if k != key]
+    yield path, "", rows
+    for component in choice:
+        title = f"{path} ({key}: {choice.name_of(component)})"
+        for sub_title, _, sub_rows in _sections(component, f"{path}.", title, skip=tuple(shared)):
+            yield sub_title, component.summary if sub_title == title else "", sub_rows
 
 
 def render() -> str:
     parts = [HEADER]
-    for title, rows in _sections(Recipe, ""):
-        if not rows:
+    for title, summary, rows in _sections(Recipe, ""):
+        if not rows and not summary:
             continue
         parts.append(f"\n## {title}\n")
+        if summary:
+            parts.append(f"{summary[0].upper()}{summary[1:]}." + ("\n" if rows else ""))
         if title == "kernels":
             parts.append(f"Kernel names: {', '.join(f'`{k}`' for k in KERNEL_NAMES)}.\n")
-        parts.append("| key | type | default | description |\n|---|---|---|---|")
-        parts.extend(rows)
+        if rows:
+            parts.append("| key | type | default | description |\n|---|---|---|---|")
+            parts.extend(rows)
     parts.append(_rules_section())
     return "\n".join(parts) + "\n"
 

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ligertune.catalog.rules import runs_on_cuda
 from ligertune.paths import looks_local
 
 if TYPE_CHECKING:
@@ -102,12 +103,6 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def runs_on_cuda(recipe: Recipe) -> bool:
-    """Whether the run's device is a GPU on this machine (``auto`` picks CUDA when present)."""
-    device = recipe.training.device
-    return device == "cuda" or (device == "auto" and cuda_available())
-
-
 def _device_available(recipe: Recipe) -> list[str]:
     """training.device cuda needs a CUDA GPU that torch sees."""
     if recipe.training.device == "cuda" and not cuda_available():
@@ -125,17 +120,6 @@ def _fp32_on_cpu(recipe: Recipe) -> list[str]:
         return [
             f"training.precision: {precision} on CPU is not supported (slow, and Triton's CPU interpreter gets "
             "bf16 arithmetic wrong); set training.precision=fp32"
-        ]
-    return []
-
-
-def _fsdp_offload_needs_gpu(recipe: Recipe) -> list[str]:
-    """FSDP CPU offload needs a GPU on this machine."""
-    fsdp = recipe.parallel.strategy == "fsdp" and recipe.parallel.fsdp.cpu_offload
-    if fsdp and recipe.training.device != "cuda" and not runs_on_cuda(recipe):
-        return [
-            "parallel.fsdp.cpu_offload: offloading moves the shards off the GPU and needs training.device cuda; "
-            "set parallel.fsdp.cpu_offload=false on the CPU"
         ]
     return []
 
@@ -170,7 +154,6 @@ ENVIRONMENT_RULES = [
     ("model.type_known", "model", _model_type_known),
     ("training.device_available", "machine", _device_available),
     ("training.fp32_on_cpu", "machine", _fp32_on_cpu),
-    ("parallel.fsdp_cpu_offload_needs_gpu", "machine", _fsdp_offload_needs_gpu),
     ("model.quantize_on_cuda", "machine", _quantize_on_cuda),
     ("model.flash_attention_on_cuda", "machine", _flash_attention_on_cuda),
 ]

@@ -12,12 +12,15 @@ import difflib
 import re
 import types
 import typing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from ligertune.catalog.objectives import OBJECTIVES
+from ligertune.catalog.strategies import STRATEGIES
 from ligertune.config.rules import recipe_problems
 from ligertune.config.schema import KernelsSection, Recipe
 from ligertune.errors import RecipeError
@@ -117,89 +120,138 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def _model_at(loc: tuple, root: type[BaseModel] = Recipe) -> type[BaseModel] | None:
-    """The pydantic model class whose fields live at `loc` (a ValidationError location)."""
-    model: Any = root
-    for part in loc:
-        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
-            return None
-        annotation = model.model_fields[part].annotation
-        model = next(
-            (
-                a
-                for a in getattr(annotation, "__args__", (annotation,))
-                if isinstance(a, type) and issubclass(a, BaseModel)
-            ),
-            annotation,
-        )
-    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
+def _members(annotation: Any) -> list[Any]:
+    """The types a field's annotation allows: a union's members (None left out), else itself."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return [a for a in typing.get_args(annotation) if a is not type(None)]
+    return [annotation]
 
 
-def _union_tag_index(loc: tuple) -> int | None:
-    """Where pydantic put a union member's tag in `loc` (``model.config.str``), if it did: the
-    position right after a field whose type is a union of several types."""
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def _tagged(model: type[BaseModel], tag: Any) -> bool:
+    """Whether `tag` is the value of `model`'s discriminator (a one-value Literal field): how a
+    component's options (``objective: {name: dpo}``) are told apart."""
+    return any(
+        typing.get_origin(f.annotation) is typing.Literal and typing.get_args(f.annotation) == (tag,)
+        for f in model.model_fields.values()
+    )
+
+
+@dataclass
+class _Location:
+    """A ValidationError location read against the schema: the key as the user writes it (union
+    tags left out), the model that holds its last key, and whether the location ends at a union's
+    tag (the value fits none of the union's types)."""
+
+    shown: tuple
+    parent: type[BaseModel] | None
+    union_field: tuple | None = None  # the key of a union the value fits no member of
+
+
+def _locate(loc: tuple) -> _Location:
+    shown: list = []
     model: Any = Recipe
-    for i, part in enumerate(loc[:-1]):
-        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
-            return None
-        annotation = model.model_fields[part].annotation
-        members = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(members) > 1:
-            return i + 1
-        model = annotation
-    return None
+    parent = None
+    parts = [p for p in loc if not (isinstance(p, str) and p.startswith("function-after"))]
+    i = 0
+    while i < len(parts):
+        part = parts[i]
+        shown.append(part)
+        parent = model if _is_model(model) else None
+        if parent is None or part not in parent.model_fields:
+            shown.extend(parts[i + 1 :])
+            return _Location(tuple(shown), parent if i + 1 == len(parts) else None)
+        members = _members(model.model_fields[part].annotation)
+        if len(members) > 1 and i + 1 < len(parts):
+            # pydantic names the member it tried next: a discriminator's value, or a type's name
+            tag = parts[i + 1]
+            if i + 2 == len(parts):
+                return _Location(tuple(shown), parent, tuple(shown))
+            model = next((m for m in members if _is_model(m) and _tagged(m, tag)), None)
+            i += 2
+            continue
+        model = next((m for m in members if _is_model(m)), members[0] if members else None)
+        i += 1
+    return _Location(tuple(shown), parent)
 
 
 _TYPE_WORDS = {str: "a string", dict: "a mapping", list: "a list", int: "an integer", float: "a number"}
 
 
-def _describe_union(loc: tuple, given: Any) -> str:
+def _describe_union(location: _Location, given: Any) -> str:
     """One line for a value that fits no member of a union, instead of one line per member."""
-    model = _model_at(loc[:-1])
-    annotation = model.model_fields[loc[-1]].annotation if model else None
+    annotation = location.parent.model_fields[location.shown[-1]].annotation
     words = [
         "null"
         if a is type(None)
         else _TYPE_WORDS.get(typing.get_origin(a) or a, getattr(a, "__name__", str(a)))
         for a in typing.get_args(annotation)
     ]
-    return f"{'.'.join(str(p) for p in loc)}: got {given!r}; expected {', '.join(words[:-1])} or {words[-1]}"
+    shown = ".".join(str(p) for p in location.shown)
+    return f"{shown}: got {given!r}; expected {', '.join(words[:-1])} or {words[-1]}"
 
 
 def describe_errors(errors: list[dict]) -> list[str]:
     """One line per problem of a pydantic ValidationError, each starting with the dotted key."""
-    lines, located = [], []
-    for err in errors:
-        loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-after")))
-        tag = _union_tag_index(loc)
-        located.append((err, loc, tag))
+    located = [(err, _locate(tuple(err["loc"]))) for err in errors]
     # Union members whose type matched but whose content did not (a mapping with a bad key):
     # those errors say more than "fits no member".
-    inner = {loc[:tag] for _, loc, tag in located if tag is not None and tag < len(loc) - 1}
-    for err, loc, tag in located:
-        if tag is not None and tag == len(loc) - 1:
-            if loc[:tag] in inner:
+    inner = {loc.shown for _, loc in located if loc.union_field is None}
+    lines = []
+    for err, location in located:
+        if location.union_field is not None:
+            if any(shown[: len(location.shown)] == location.shown for shown in inner):
                 continue
-            line = _describe_union(loc[:tag], err.get("input"))
+            line = _describe_union(location, err.get("input"))
         else:
-            line = _describe_error({**err, "loc": loc if tag is None else loc[:tag] + loc[tag + 1 :]})
+            line = _describe_error(err, location)
         if line not in lines:
             lines.append(line)
     return lines
 
 
-def _describe_error(err: dict) -> str:
-    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-after")))
-    dotted = ".".join(str(p) for p in loc) or "recipe"
+def _component_key(location: _Location) -> str | None:
+    """For a key that another objective or strategy has (``objective.reference`` with orpo), the
+    line that says so; None for any other unknown key."""
+    choice = next((c for c in (OBJECTIVES, STRATEGIES) if location.shown[:-1] == (c.section,)), None)
+    key = str(location.shown[-1])
+    owners = choice.owners(key) if choice is not None else []
+    if not owners:
+        return None
+    chooser, chosen = f"{choice.section}.{choice.key}", choice.name_of(location.parent)
+    listed = owners[0] if len(owners) == 1 else f"{', '.join(owners[:-1])} and {owners[-1]}"
+    to = owners[0] if len(owners) == 1 else f"one of {', '.join(owners)}"
+    return (
+        f"{'.'.join(map(str, location.shown))}: {chooser} {chosen} has no option {key} (an option of "
+        f"{listed}); remove it, or set {chooser} to {to}"
+    )
+
+
+def _describe_error(err: dict, location: _Location) -> str:
+    dotted = ".".join(str(p) for p in location.shown) or "recipe"
     kind = err["type"]
     given = err.get("input")
     if kind == "extra_forbidden":
-        parent = _model_at(loc[:-1])
-        valid = list(parent.model_fields) if parent else []
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
-        prefix = ".".join(str(p) for p in loc[:-1])
+        component = _component_key(location)
+        if component is not None:
+            return component
+        valid = list(location.parent.model_fields) if location.parent else []
+        close = difflib.get_close_matches(str(location.shown[-1]), valid, n=1, cutoff=0.6)
+        prefix = ".".join(str(p) for p in location.shown[:-1])
         hint = f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else ""
         return f"{dotted}: unknown key{hint} (valid keys here: {', '.join(valid)})"
+    if kind == "union_tag_invalid":  # an objective or strategy name that is none of them
+        ctx = err.get("ctx", {})
+        key = f"{dotted}.{ctx.get('discriminator', '').strip(chr(39))}"
+        tags = [t.strip(" '") for t in ctx.get("expected_tags", "").split(",")]
+        close = difflib.get_close_matches(str(ctx.get("tag")), tags, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return f"{key}: got {ctx.get('tag')!r}{hint} (allowed: {', '.join(tags)})"
     if kind == "missing":
         return f"{dotted}: required key is missing"
     if kind == "literal_error":

@@ -1,51 +1,61 @@
-"""The rules of the ``objective`` section (registered in `ligertune.config.rules`, which lists
-them with the others): which data each objective trains on and what its reference or teacher
-needs. Every objective runs under every parallel strategy (a frozen reference or teacher is
-placed like the policy, `ligertune.objectives.reference.build_frozen`), so none is refused here."""
+"""The rules between the ``objective`` section and the data (registered in `ligertune.config.rules`,
+which lists them with the others): each objective trains on the formats it declares
+(`ligertune.catalog.objectives`), and rows of two sequences cannot be packed. Every objective runs
+under every parallel strategy (a frozen reference or teacher is placed like the policy), so none
+is refused here; an objective's own rules (its reference, its teacher) are declared with it."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ligertune.config.schema.data import PAIR_FORMATS
+from ligertune.catalog.formats import PAIR_FORMATS
+from ligertune.catalog.objectives import OBJECTIVES
 
 if TYPE_CHECKING:
     from ligertune.config.schema import Recipe
 
-PAIRED = ("dpo", "orpo", "simpo")
-DATA_OF = {"dpo": "preference", "orpo": "preference", "simpo": "preference", "kto": "kto"}
+# What each format's rows hold, for the error that names the columns an objective needs.
+_COLUMNS = {"preference": "prompt, chosen, rejected", "kto": "prompt, completion, label"}
 
 
-def _formats(recipe: Recipe) -> set[str]:
+def data_formats(recipe: Recipe) -> set[str]:
+    """The formats of the recipe's data: data.format, or each mixed dataset's."""
     data = recipe.data
     if data.mix:
         return {s.format or data.format for s in data.mix}
     return {data.format}
 
 
+def _trained_on(formats: set[str]) -> str:
+    """The objectives that train on all of `formats`, as a phrase: ``dpo, orpo or simpo``."""
+    names = [OBJECTIVES.name_of(o) for o in OBJECTIVES if formats <= set(o.formats)]
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else "".join(names)
+
+
 def objective_fits_data(recipe: Recipe) -> list[str]:
-    """dpo/orpo/simpo train on data.format preference, kto on kto, sft/distill on the others."""
-    name, formats = recipe.objective.name, _formats(recipe)
-    wanted = DATA_OF.get(name)
-    if wanted is not None and formats != {wanted}:
-        return [
-            f"objective.name: {name} trains on data.format {wanted} (columns "
-            f"{'prompt, chosen, rejected' if wanted == 'preference' else 'prompt, completion, label'}); "
-            f"the data is {', '.join(sorted(formats))}"
-        ]
-    if wanted is None and formats & set(PAIR_FORMATS):
+    """Each objective trains on the data formats it declares (dpo/orpo/simpo: preference, kto: kto, sft/distill: the others)."""
+    objective, formats = recipe.objective, data_formats(recipe)
+    wanted = set(objective.formats)
+    if formats <= wanted:
+        return []
+    if not wanted & set(PAIR_FORMATS):
         paired = sorted(formats & set(PAIR_FORMATS))
         return [
             f"data.format: {', '.join(paired)} data needs a preference objective (objective.name: "
-            f"{'dpo, orpo or simpo' if 'preference' in paired else 'kto'}), not {name}"
+            f"{_trained_on(set(paired))}), not {objective.name}"
         ]
-    return []
+    needed = sorted(wanted)
+    columns = f" (columns {_COLUMNS[needed[0]]})" if len(needed) == 1 and needed[0] in _COLUMNS else ""
+    return [
+        f"objective.name: {objective.name} trains on data.format {' or '.join(needed)}{columns}; "
+        f"the data is {', '.join(sorted(formats))}"
+    ]
 
 
 def pairs_unpacked(recipe: Recipe) -> list[str]:
     """Preference and kto data are laid out a pair per row: no packing, streaming or train_on_inputs."""
     data = recipe.data
-    if not _formats(recipe) & set(PAIR_FORMATS):
+    if not data_formats(recipe) & set(PAIR_FORMATS):
         return []
     problems = []
     if data.packing:
@@ -65,48 +75,7 @@ def pairs_unpacked(recipe: Recipe) -> list[str]:
     return problems
 
 
-def reference_fits(recipe: Recipe) -> list[str]:
-    """objective.reference and reference_model apply to dpo and kto; orpo and simpo are reference-free."""
-    objective = recipe.objective
-    problems = []
-    if objective.name not in ("dpo", "kto") and objective.reference not in (None, "none"):
-        problems.append(
-            f"objective.reference: {objective.name} uses no reference model (only dpo and kto do); "
-            "remove objective.reference"
-        )
-    if objective.reference_model is not None and (
-        objective.name not in ("dpo", "kto") or objective.reference_kind != "frozen"
-    ):
-        problems.append("objective.reference_model: only for dpo/kto with objective.reference frozen")
-    if objective.reference_model is not None and recipe.lora is not None:
-        problems.append(
-            "objective.reference_model: with lora the reference is the policy with its adapters off (no second "
-            "copy); remove objective.reference_model"
-        )
-    return problems
-
-
-def teacher_fits(recipe: Recipe) -> list[str]:
-    """objective.name distill needs objective.teacher, and only distill takes one."""
-    objective = recipe.objective
-    if objective.name == "distill" and objective.teacher is None:
-        return ["objective.teacher: distill needs a teacher model section (name_or_path or config)"]
-    if objective.name != "distill" and objective.teacher is not None:
-        return [f"objective.teacher: only objective.name distill uses a teacher, not {objective.name}"]
-    teacher = objective.teacher
-    if teacher is not None and (teacher.name_or_path is None) == (teacher.config is None):
-        return ["objective.teacher: set exactly one of name_or_path (weights) or config (random init)"]
-    model = objective.reference_model
-    if model is not None and (model.name_or_path is None) == (model.config is None):
-        return [
-            "objective.reference_model: set exactly one of name_or_path (weights) or config (random init)"
-        ]
-    return []
-
-
 OBJECTIVE_RULES = [
     ("objective.fits_data", objective_fits_data),
     ("objective.pairs_unpacked", pairs_unpacked),
-    ("objective.reference", reference_fits),
-    ("objective.teacher", teacher_fits),
 ]

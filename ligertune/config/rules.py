@@ -17,7 +17,11 @@ Three phases:
   ``train`` runs them before building anything; a recipe is often checked on a laptop and run
   on a GPU server, so ``validate`` does not refuse a recipe for them.
 
-A rule returns one line per problem, each starting with the key to change.
+A rule returns one line per problem, each starting with the key to change. The rules of one
+objective or one strategy are declared by it (`ligertune.catalog.objectives`,
+`ligertune.catalog.strategies`) and run only when the recipe chooses it; the rules here read what
+every component declares (the data an objective trains on, what a strategy supports) and never
+ask which one was chosen.
 """
 
 from __future__ import annotations
@@ -26,35 +30,25 @@ import difflib
 import importlib.util
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from ligertune.config.deepspeed import deepspeed_config_problems
+from ligertune.catalog.architectures import SHIPPED_CONFIGS
+from ligertune.catalog.kernels import conflicts
+from ligertune.catalog.objectives import OBJECTIVES
+from ligertune.catalog.rules import Rule
+from ligertune.catalog.section import BUILTIN_PLUGINS
+from ligertune.catalog.strategies import STRATEGIES
 from ligertune.config.environment_rules import ENVIRONMENT_RULES
 from ligertune.config.objective_rules import OBJECTIVE_RULES
-from ligertune.config.schema import BUILTIN_PLUGINS, Recipe
-from ligertune.models.architectures import SHIPPED_CONFIGS
-from ligertune.patching.registry import conflicts
+from ligertune.config.schema import Recipe
 from ligertune.paths import looks_local
-
-
-@dataclass(frozen=True)
-class Rule:
-    name: str
-    phase: str  # "recipe", "model" or "machine"
-    check: Callable[[Recipe], list[str]]
-
-    @property
-    def summary(self) -> str:
-        return (self.check.__doc__ or "").strip().splitlines()[0]
-
 
 RULES: list[Rule] = []
 
 
 def rule(name: str, phase: str = "recipe") -> Callable:
     def register(check: Callable[[Recipe], list[str]]) -> Callable[[Recipe], list[str]]:
-        RULES.append(Rule(name, phase, check))
+        RULES.append(Rule(name, check, phase))
         return check
 
     return register
@@ -113,12 +107,13 @@ def _local_files_exist(recipe: Recipe) -> list[str]:
         ("tokenizer.name_or_path", recipe.tokenizer.name_or_path),
         ("data.path", recipe.data.path),
         *((f"data.mix[{i}].path", source.path) for i, source in enumerate(recipe.data.mix or [])),
-        ("parallel.deepspeed.config", recipe.parallel.deepspeed.config),
     ]
+    # Paths that can only be local: no hub id looks like them.
+    local = [*recipe.parallel.files()]
     if recipe.checkpoint.resume not in ("auto", "none"):
-        candidates.append(("checkpoint.resume", recipe.checkpoint.resume))
-    for key, value in candidates:
-        if value and (looks_local(value) or key in ("parallel.deepspeed.config", "checkpoint.resume")):
+        local.append(("checkpoint.resume", recipe.checkpoint.resume))
+    for key, value in candidates + local:
+        if value and (looks_local(value) or (key, value) in local):
             path = recipe.resolve(value)
             if not path.exists():
                 where = [Path.cwd()] + ([recipe._base_dir] if recipe._base_dir else [])
@@ -191,55 +186,45 @@ def _one_kernel_per_computation(recipe: Recipe) -> list[str]:
 def _cpu_processes_fp32(recipe: Recipe) -> list[str]:
     """Multi-process runs on CPU (gloo) train in fp32."""
     training = recipe.training
-    if training.device == "cpu" and training.precision != "fp32" and recipe.parallel.strategy != "none":
+    if training.device == "cpu" and training.precision != "fp32" and recipe.parallel.multi_process:
         return ["training.precision: multi-process CPU runs (gloo) need fp32"]
     return []
-
-
-@rule("training.deepspeed_precision")
-def _deepspeed_precision(recipe: Recipe) -> list[str]:
-    """DeepSpeed trains bf16-mixed or fp32 (its bf16 mode keeps fp32 master weights itself)."""
-    if recipe.parallel.strategy == "deepspeed" and recipe.training.precision == "bf16":
-        return [
-            "training.precision: bf16 with parallel.strategy deepspeed: DeepSpeed's bf16 mode keeps fp32 "
-            "master weights in its ZeRO optimizer; set training.precision=bf16-mixed"
-        ]
-    return []
-
-
-@rule("parallel.deepspeed_options")
-def _deepspeed_options(recipe: Recipe) -> list[str]:
-    """DeepSpeed options need strategy deepspeed; parameter offload needs ZeRO-3; the JSON file agrees with the recipe."""
-    options = recipe.parallel.deepspeed
-    problems = []
-    if recipe.parallel.strategy != "deepspeed" and options.config:
-        problems.append("parallel.deepspeed.config is set but parallel.strategy is not deepspeed")
-    if options.offload_params and options.zero_stage != 3:
-        problems.append("parallel.deepspeed.offload_params needs parallel.deepspeed.zero_stage: 3")
-    if recipe.parallel.strategy == "deepspeed" and options.config and recipe.resolve(options.config).exists():
-        problems += deepspeed_config_problems(recipe)
-    return problems
 
 
 @rule("parallel.sharded_init_needs_sharding")
 def _sharded_init_needs_sharding(recipe: Recipe) -> list[str]:
     """parallel.sharded_init: true needs a strategy that shards the parameters (fsdp without cpu_offload, ZeRO-3)."""
-    parallel = recipe.parallel
-    sharding = parallel.strategy == "fsdp" or (
-        parallel.strategy == "deepspeed" and parallel.deepspeed.zero_stage == 3
-    )
-    if parallel.sharded_init is True and not sharding:
-        return [
-            f"parallel.sharded_init: true, but parallel.strategy {parallel.strategy}"
-            + (f" (ZeRO stage {parallel.deepspeed.zero_stage})" if parallel.strategy == "deepspeed" else "")
-            + " keeps whole parameters on every rank; use fsdp or deepspeed with zero_stage 3, or sharded_init auto"
-        ]
-    if parallel.sharded_init is True and parallel.strategy == "fsdp" and parallel.fsdp.cpu_offload:
-        # The shards would be made in CPU memory, from which NCCL cannot broadcast rank 0's weights.
-        return [
-            "parallel.sharded_init: true is not supported with parallel.fsdp.cpu_offload yet; set it to auto or false"
-        ]
-    return []
+    problem = recipe.parallel.sharded_init_problem() if recipe.parallel.sharded_init is True else None
+    return [problem] if problem else []
+
+
+def _supporting(feature: str) -> str:
+    """The strategies that train with `feature`, for an error's advice: ``ddp or fsdp``."""
+    names = [STRATEGIES.name_of(s) for s in STRATEGIES if s.supports(feature)]
+    return ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+
+
+@rule("parallel.supports")
+def _strategy_supports(recipe: Recipe) -> list[str]:
+    """The parallel strategy trains what the recipe asks: LoRA adapters, quantised weights, FP8 layers, bf16 weights."""
+    parallel, strategy = recipe.parallel, recipe.parallel.strategy
+    asked = [
+        ("lora", recipe.lora is not None, "lora", "remove the lora section"),
+        ("quantized", recipe.model.quantize != "none", "model.quantize", "set model.quantize=none"),
+        ("fp8", recipe.training.fp8 != "none", "training.fp8", "set training.fp8=none"),
+        (
+            "bf16 weights",
+            recipe.training.precision == "bf16",
+            "training.precision",
+            "set training.precision=bf16-mixed",
+        ),
+    ]
+    return [
+        f"{key}: not supported with parallel.strategy {strategy} ({parallel.unsupported[feature]}); use "
+        f"parallel.strategy {_supporting(feature)}, or {instead}"
+        for feature, wanted, key, instead in asked
+        if wanted and not parallel.supports(feature)
+    ]
 
 
 @rule("export.push_to_hub_needs_export")
@@ -255,24 +240,14 @@ def _push_needs_export(recipe: Recipe) -> list[str]:
 
 @rule("lora.combinations")
 def _lora_combinations(recipe: Recipe) -> list[str]:
-    """LoRA and quantisation go together with what supports them: model.quantize needs lora; lora trains with
-    none, ddp or fsdp (quantised: none or ddp), without fp8 and without sharded init; export.merge_lora needs lora."""
-    lora, quantize, strategy = recipe.lora, recipe.model.quantize, recipe.parallel.strategy
+    """LoRA goes together with what supports it: model.quantize needs lora; lora trains without fp8 and without
+    sharded init; export.merge_lora needs lora."""
+    lora, quantize = recipe.lora, recipe.model.quantize
     problems = []
     if quantize != "none" and lora is None:
         problems.append(
             f"model.quantize: {quantize} freezes the base weights, so only adapters can train; add a lora "
             "section (QLoRA) or set model.quantize=none"
-        )
-    if lora is not None and strategy == "deepspeed":
-        problems.append(
-            "lora: not supported with parallel.strategy deepspeed (its checkpoints hold every weight); "
-            "use ddp or fsdp"
-        )
-    if quantize != "none" and strategy in ("fsdp", "deepspeed"):
-        problems.append(
-            f"model.quantize: {quantize} weights cannot be sharded by parallel.strategy {strategy}; use none "
-            "or ddp (a quantised 8B model fits one GPU)"
         )
     if lora is not None and recipe.training.fp8 != "none":
         problems.append(
@@ -307,10 +282,12 @@ def _is_function_path(name: str) -> bool:
 def _packages_installed(recipe: Recipe) -> list[str]:
     """Packages the recipe's choices need are installed (deepspeed, flash-attn, torchao, peft, metric loggers)."""
     problems = []
-    if recipe.parallel.strategy == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+    package, strategy = recipe.parallel.package, recipe.parallel.strategy
+    if package is not None and importlib.util.find_spec(package) is None:
         problems.append(
-            "parallel.strategy: deepspeed is chosen but not installed; "
-            "install it with: pip install 'ligertune[deepspeed]'"
+            f"parallel.strategy: {strategy} is chosen but "
+            + ("not installed" if package == strategy else f"{package} is not installed")
+            + f"; install it with: pip install 'ligertune[{package}]'"
         )
     if (
         recipe.model.attn_implementation == "flash_attention_2"
@@ -375,23 +352,27 @@ def _checkpointing_modules(recipe: Recipe) -> list[str]:
     return []
 
 
-@rule("training.fp8_strategies")
-def _fp8_strategies(recipe: Recipe) -> list[str]:
-    """FP8 trains with one process, DDP or FSDP2 (torchao's float8 layers are not tested under DeepSpeed)."""
-    if recipe.training.fp8 != "none" and recipe.parallel.strategy == "deepspeed":
-        return [
-            "training.fp8: not supported with parallel.strategy deepspeed; use fsdp or set training.fp8=none"
-        ]
-    return []
-
-
 # --------------------------------------------------------------------------------------------
-# Model and machine rules (`ligertune.config.environment_rules`), then the objective's
-# (`ligertune.config.objective_rules`)
+# Model and machine rules (`ligertune.config.environment_rules`), the rules between the
+# objective and the data (`ligertune.config.objective_rules`), then each component's own
 # --------------------------------------------------------------------------------------------
 
 for _name, _phase, _check in ENVIRONMENT_RULES:
     rule(_name, _phase)(_check)
-# The objective section's rules, written in `ligertune.config.objective_rules`.
 for _name, _check in OBJECTIVE_RULES:
     rule(_name)(_check)
+
+
+def _when_chosen(component: Rule, section: str, owners: tuple[type, ...]) -> Rule:
+    """A component's rule, run only when the recipe's `section` is one of `owners`."""
+
+    def check(recipe: Recipe) -> list[str]:
+        return component.check(recipe) if isinstance(getattr(recipe, section), owners) else []
+
+    check.__doc__ = component.check.__doc__
+    return Rule(component.name, check, component.phase)
+
+
+for _choice in (OBJECTIVES, STRATEGIES):
+    for _rule in dict.fromkeys(r for c in _choice for r in c.rules):
+        RULES.append(_when_chosen(_rule, _choice.section, tuple(c for c in _choice if _rule in c.rules)))

@@ -31,7 +31,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ligertune.config.schema.data import PAIR_FORMATS
+from ligertune.catalog.formats import PAIR_FORMATS
 from ligertune.errors import DataError
 
 if TYPE_CHECKING:
@@ -77,7 +77,7 @@ SHAREGPT_ROLES = {
     "system": "system",
 }
 FORMATS = ("alpaca", "prompt_completion", "chat", "sharegpt", "pretokenized", "preference", "kto")
-# PAIR_FORMATS (the recipe schema's): rows of two sequences trained together, tokenised by
+# PAIR_FORMATS (the catalog's): rows of two sequences trained together, tokenised by
 # `ligertune.data.preference`.
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+from ligertune.catalog.strategies import DDPParallel
 from ligertune.distributed.runtime import ProcessGroupRuntime
 
 
@@ -15,7 +16,7 @@ class DDPRuntime(ProcessGroupRuntime):
     8B model does not fit a 141 GB GPU. Checkpoints are "full", like a single process's (rank
     0 writes them, every rank reads them), so none and ddp runs resume each other."""
 
-    strategy = "ddp"
+    options_model = DDPParallel
 
     def wrap(self, model, make_optimizer):
         from torch.nn.parallel import DistributedDataParallel

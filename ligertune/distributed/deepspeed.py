@@ -9,8 +9,9 @@ import os
 
 import torch
 
+from ligertune.catalog.strategies import DeepSpeedParallel
+from ligertune.catalog.strategies.deepspeed import deepspeed_config
 from ligertune.config import Recipe
-from ligertune.config.deepspeed import deepspeed_config
 from ligertune.distributed.runtime import ProcessGroupRuntime
 from ligertune.errors import RecipeError
 from ligertune.models.build import build_model
@@ -61,8 +62,7 @@ class DeepSpeedRuntime(ProcessGroupRuntime):
     values. The weights then equal the unsharded ZeRO-3 run's bit for bit.
     """
 
-    strategy = "deepspeed"
-    checkpoint_format = "deepspeed"
+    options_model = DeepSpeedParallel
     _TAG = "deepspeed"
 
     def __init__(self, recipe: Recipe):
@@ -179,6 +179,14 @@ class DeepSpeedRuntime(ProcessGroupRuntime):
         for group in optimizer.param_groups:
             group["params"] = [real[names[id(p)]] for p in group["params"]]
         return optimizer
+
+    @classmethod
+    def read_weights(cls, checkpoint, model):
+        """The fp32 master weights of a ZeRO checkpoint, gathered from its partitions in one
+        process by DeepSpeed's own ``zero_to_fp32``."""
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.path), tag=cls._TAG)
 
     def unwrap(self, model):
         return model.module

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ligertune.catalog.strategies import FSDPParallel
 from ligertune.config import Recipe
 from ligertune.distributed.runtime import ProcessGroupRuntime, has_frozen_parameters
 from ligertune.models.build import build_model, decoder_layers
@@ -52,8 +54,7 @@ class FSDPRuntime(ProcessGroupRuntime):
     turn it off): the shards would be allocated in CPU memory, which NCCL cannot broadcast into.
     """
 
-    strategy = "fsdp"
-    checkpoint_format = "dcp"
+    options_model = FSDPParallel
 
     def __init__(self, recipe: Recipe):
         super().__init__(recipe)
@@ -70,11 +71,13 @@ class FSDPRuntime(ProcessGroupRuntime):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
         policy = MixedPrecisionPolicy()
+        reduce = torch.bfloat16 if self.options.reduce_dtype == "bf16" else torch.float32
         if self.options.mixed_precision and self.precision == "bf16-mixed":
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
         elif self.options.mixed_precision and self.precision == "bf16":
-            policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+            policy = MixedPrecisionPolicy(reduce_dtype=reduce)
         return dict(
+            mesh=self.mesh,
             reshard_after_forward=self.options.reshard_after_forward,
             mp_policy=policy,
             offload_policy=CPUOffloadPolicy() if self.options.cpu_offload else OffloadPolicy(),
@@ -86,7 +89,7 @@ class FSDPRuntime(ProcessGroupRuntime):
         return build_model(recipe, self.device, empty=True)
 
     def wrap(self, model, make_optimizer):
-        model = self._shard(model, self.recipe, self._shard_options())
+        model = self._shard(model, self.recipe, self._shard_options(), trains=True)
         return model, make_optimizer(model, self.param_device)
 
     def wrap_frozen(self, model, recipe):
@@ -96,19 +99,36 @@ class FSDPRuntime(ProcessGroupRuntime):
         ``parallel.fsdp.reshard_after_forward`` says: keeping the gathered weights for backward
         is the point of turning it off, and a frozen model has no backward, so they would stay
         gathered for good."""
-        return self._shard(model, recipe, {**self._shard_options(), "reshard_after_forward": True})
+        return self._shard(
+            model, recipe, {**self._shard_options(), "reshard_after_forward": True}, trains=False
+        )
 
-    def _shard(self, model: nn.Module, recipe: Recipe, options: dict[str, Any]) -> nn.Module:
+    def _shard(self, model: nn.Module, recipe: Recipe, options: dict[str, Any], trains: bool) -> nn.Module:
         """``fully_shard`` on every decoder layer and then the root; a model built empty (sharded
-        init) gets its shards filled from rank 0's build of `recipe`. *Collective.*"""
+        init) gets its shards filled from rank 0's build of `recipe`. *Collective.*
+
+        For a model that trains, the last decoder layer is never resharded after forward: its
+        backward is the first, right after the forward ends, so freeing its weights would only
+        gather them again at once. With ``parallel.fsdp.prefetch`` above 1 each layer names the
+        layers whose all-gathers to issue when it starts, in forward the next ones and in backward
+        the previous ones (FSDP2 on its own gathers one ahead)."""
         from torch.distributed.fsdp import fully_shard
 
         empty = any(p.is_meta for p in model.parameters())
         if not empty:
             model = model.to(self.device)
-        for layer in decoder_layers(model):
-            fully_shard(layer, **options)
+        layers = decoder_layers(model)
+        for index, layer in enumerate(layers):
+            last = trains and index == len(layers) - 1
+            fully_shard(
+                layer, **{**options, "reshard_after_forward": options["reshard_after_forward"] and not last}
+            )
         fully_shard(model, **options)
+        depth = self.options.prefetch
+        if depth > 1:
+            for index, layer in enumerate(layers):
+                layer.set_modules_to_forward_prefetch(layers[index + 1 : index + 1 + depth])
+                layer.set_modules_to_backward_prefetch(layers[max(0, index - depth) : index][::-1])
         if empty:
             self._fill_shards(model, recipe)
         return model
@@ -133,6 +153,19 @@ class FSDPRuntime(ProcessGroupRuntime):
             dist.broadcast(buffer, src=0)
         del full_state, source_buffers, source
         self.share_init_rng_state()
+
+    @classmethod
+    def read_weights(cls, checkpoint, model):
+        """The model part of a "dcp" checkpoint, read in one process (DCP needs no process group to
+        read: it loads in place into tensors of the requested shapes, whatever the saving
+        sharding)."""
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=checkpoint.path / "dcp")
+        return state["model"]
 
     def clip_grad_norm(self, model, max_norm):
         from torch.distributed.tensor import DTensor

@@ -39,9 +39,10 @@ from typing import TypeVar
 
 from ligertune.config import Recipe
 from ligertune.distributed.env import launched_by_torchrun
+from ligertune.errors import UsageError
 
 
-class LaunchError(ValueError):
+class LaunchError(UsageError):
     """Launch options that cannot work; the message says which and how to fix them."""
 
 
@@ -98,7 +99,7 @@ def check_options(options: LaunchOptions, recipe: Recipe) -> None:
             raise LaunchError(
                 f"--rdzv-endpoint {options.rdzv_endpoint!r} is not HOST:PORT (e.g. node0:29500)"
             )
-    if options.world_size > 1 and recipe.parallel.strategy == "none":
+    if options.world_size > 1 and not recipe.parallel.multi_process:
         raise LaunchError(
             f"{options.world_size} processes need a multi-process strategy; add parallel.strategy=ddp "
             "(or fsdp, deepspeed) to the recipe or the command line"

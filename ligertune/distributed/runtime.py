@@ -5,12 +5,14 @@ which knows the process's place in the job (rank, world size, device) and does t
 that differ between strategies — wrapping the model and building the optimizer, placing the
 frozen models of the preference and distillation objectives (reference, teacher), backward,
 gradient clipping and the optimizer step, collective sums, checkpoint state and the full
-state dict of the final export. `ligertune.distributed.create_runtime` picks the class from ``parallel.strategy``:
+state dict of the final export. Each class names the catalog's options model of the strategy it
+runs (``options_model``, `ligertune.catalog.strategies`), and `ligertune.distributed.create_runtime`
+picks the class whose options the recipe's ``parallel`` section is:
 
-    none       `Runtime`          one process, one device
-    ddp        `DDPRuntime`       torch DistributedDataParallel: every rank holds the whole model
-    fsdp       `FSDPRuntime`      FSDP2 ``fully_shard`` per decoder layer and on the root
-    deepspeed  `DeepSpeedRuntime` DeepSpeed ZeRO stage 1/2/3 with our torch AdamW
+    `Runtime`           one process, one device
+    `DDPRuntime`        torch DistributedDataParallel: every rank holds the whole model
+    `FSDPRuntime`       FSDP2 ``fully_shard`` per decoder layer and on the root
+    `DeepSpeedRuntime`  DeepSpeed ZeRO stage 1/2/3 with our torch AdamW
 
 The engines are PyTorch's and DeepSpeed's own; nothing here communicates by itself beyond
 ``torch.distributed`` collectives. Processes are started by torchrun (``ligertune train
@@ -42,31 +44,56 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
+from ligertune.catalog.implements import Implements
+from ligertune.catalog.strategies import STRATEGIES, ParallelOptions, SingleProcess, writers
 from ligertune.config import Recipe
 from ligertune.distributed.env import has_rendezvous, launched_as
 from ligertune.errors import RecipeError
 from ligertune.models.build import build_model
-from ligertune.run.checkpoint import FULL_FORMAT, Checkpoint, write_full_state
+from ligertune.run.checkpoint import Checkpoint, write_full_state
 
 # (module, where its parameters live) -> the optimizer over them; see `Runtime.wrap`.
 OptimizerFactory = Callable[[nn.Module, torch.device], torch.optim.Optimizer]
 
 
-class Runtime:
+class Runtime(Implements):
     """One process of a training job: where it runs and how it syncs with the others.
 
-    This base class is the single-process implementation (strategy ``none``); multi-process
-    strategies subclass it and override what differs.
+    This base class is the single-process implementation (`SingleProcess` options); multi-process
+    strategies subclass it, name their options model and override what differs. A subclass that
+    names ``options_model`` is registered: `implementation` finds it.
     """
 
-    strategy = "none"
-    checkpoint_format = FULL_FORMAT
+    options_model: type[ParallelOptions] = SingleProcess
     # A line for the run log about how this strategy trains this recipe, or None.
     notice: str | None = None
     # Whether `build_model` returns an empty (meta) model that `wrap` shards and then fills
     # (``parallel.sharded_init``; see `ligertune.distributed.fsdp`).
     sharded_init: bool = False
+
+    @classmethod
+    def reading(cls, checkpoint_format: str) -> type[Runtime] | None:
+        """A runtime class that reads checkpoints of `checkpoint_format`, or None for a format
+        none writes."""
+        readers = [r for r in cls.implementations() if r.options_model.checkpoint_format == checkpoint_format]
+        return readers[0] if readers else None
+
+    @classmethod
+    def read_weights(cls, checkpoint: Checkpoint, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model state dict a checkpoint of this strategy's format holds, read in one
+        process without a process group (for `ligertune generate`); `model` is the model the
+        checkpoint's recipe builds, whose shapes a sharded format is read into."""
+        return checkpoint.model
+
+    @property
+    def strategy(self) -> str:
+        return STRATEGIES.name_of(self.options_model)
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self.options_model.checkpoint_format
 
     def __init__(self, device: torch.device, rank: int = 0, local_rank: int = 0, world_size: int = 1):
         self.device = device
@@ -176,14 +203,12 @@ class Runtime:
 
     def _check_format(self, checkpoint: Checkpoint) -> None:
         if checkpoint.format != self.checkpoint_format:
-            saved_by = {FULL_FORMAT: "none or ddp", "dcp": "fsdp", "deepspeed": "deepspeed"}.get(
-                checkpoint.format, "?"
-            )
+            saved_by = writers(checkpoint.format) or ["?"]
             raise RecipeError(
                 [
                     f"checkpoint.resume: {checkpoint.path} holds a {checkpoint.format!r} checkpoint (parallel.strategy "
-                    f"{saved_by}); this run's strategy {self.strategy} reads {self.checkpoint_format!r} ones. Resume "
-                    f"with parallel.strategy={saved_by.split()[0]}, or start over with checkpoint.resume=none"
+                    f"{' or '.join(saved_by)}); this run's strategy {self.strategy} reads {self.checkpoint_format!r} "
+                    f"ones. Resume with parallel.strategy={saved_by[0]}, or start over with checkpoint.resume=none"
                 ]
             )
 
@@ -267,6 +292,10 @@ class ProcessGroupRuntime(Runtime):
             else:  # a job of one process, without a launcher
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         super().__init__(device, dist.get_rank(), local_rank, dist.get_world_size())
+        # The job's ranks as a device mesh: one data-parallel dimension today. A parallel
+        # dimension on top of the strategy (context parallelism) is a second one here, and the
+        # engines that take a mesh (FSDP2) shard over its data-parallel part.
+        self.mesh = init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("data",))
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.clone()

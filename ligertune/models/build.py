@@ -5,7 +5,7 @@ Two sources (the recipe validator guarantees exactly one is set):
 - ``model.name_or_path``: pretrained weights from a hub id or a local directory, loaded with
   ``AutoModelForCausalLM.from_pretrained`` in the parameter dtype of the chosen precision.
 - ``model.config``: a random-init architecture, either a shipped name
-  (`ligertune.models.architectures.SHIPPED_CONFIGS`) or a transformers config mapping with ``model_type``;
+  (`ligertune.catalog.architectures.SHIPPED_CONFIGS`) or a transformers config mapping with ``model_type``;
   used for benchmarks and offline runs. Initialisation is seeded by the recipe seed.
 
 ``model.config_overrides`` change config fields. For a random-init architecture they are
@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ligertune.catalog.architectures import SHIPPED_CONFIGS
+from ligertune.catalog.families import FAMILIES
 from ligertune.errors import RecipeError
-from ligertune.models.architectures import SHIPPED_CONFIGS
 from ligertune.models.attention import choose_attention
 from ligertune.paths import looks_local
 
@@ -245,9 +246,12 @@ def check_vocab(model: nn.Module, tokenizer: Any) -> None:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The repeated transformer blocks, found by the class names the model itself declares
-    as its unit of sharding (``_no_split_modules``, e.g. LlamaDecoderLayer)."""
-    names = set(getattr(model, "_no_split_modules", None) or ())
+    """The repeated transformer blocks of the language model: the family table's decoder layer
+    class (`ligertune.catalog.families`), else the class names the model itself declares as its
+    units of sharding (``_no_split_modules``, e.g. LlamaDecoderLayer), which for a multimodal
+    model also name its vision blocks."""
+    family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    names = {family.decoder_layer} if family else set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
         raise RecipeError(

@@ -16,15 +16,26 @@ gradient a second time. Evaluation passes N = 1 to get plain sums.
 
 Metrics are sums over the micro-batch's items divided by the same N (0-d tensors on the
 device): summed over the window they are means, e.g. a reward accuracy from 0/1 per pair.
+
+Each objective is an `Objective` subclass that names the catalog model of its recipe section
+(``options_model``, `ligertune.catalog.objectives`): that registers it, and `build_objective`
+finds the class of a recipe's ``objective`` section through it and calls its `build`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
+
+from ligertune.catalog.implements import Implements
+from ligertune.catalog.objectives import OBJECTIVES, ObjectiveOptions
+
+if TYPE_CHECKING:
+    from ligertune.config import Recipe
+    from ligertune.objectives.reference import Placement
 
 Batch = dict[str, torch.Tensor]
 
@@ -35,16 +46,37 @@ class ObjectiveOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # 0-d sums over the items, / N
 
 
-class Objective(Protocol):
+@dataclass(frozen=True)
+class Building:
+    """What building an objective may need besides its options: the recipe and the runtime (to
+    build and place a frozen reference or teacher like the policy), and the policy itself (the
+    model the strategy wraps, not the wrapper: a peft model with LoRA, whose reference is the
+    adapters-off policy)."""
+
+    recipe: Recipe | None = None
+    policy: nn.Module | None = None
+    runtime: Placement | None = None
+
+
+class Objective(Implements):
     """Given a batch, its item count; given the model, a batch and N, the loss sum over N."""
 
-    name: str
+    options_model: ClassVar[type[ObjectiveOptions]]
+
+    @classmethod
+    def build(cls, options: ObjectiveOptions, building: Building) -> Objective:
+        """The objective for these options (override to build a reference, a teacher)."""
+        return cls()
+
+    @property
+    def name(self) -> str:
+        return OBJECTIVES.name_of(self.options_model)
 
     def count(self, batch: Batch) -> int:
         """Items this micro-batch's loss sums over, counted on the host (no device work)."""
-        ...
+        raise NotImplementedError
 
     def __call__(self, model: nn.Module, batch: Batch, num_items: torch.Tensor) -> ObjectiveOutput:
         """Forward `batch` (on the model's device) and return its summed loss over `num_items`
         (a 0-d int64 tensor on the device: N ≥ 1)."""
-        ...
+        raise NotImplementedError

@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ligertune.catalog.objectives.sft import SFTOptions
 from ligertune.data.formats import IGNORE_INDEX
-from ligertune.objectives.base import Batch, ObjectiveOutput
+from ligertune.objectives.base import Batch, Objective, ObjectiveOutput
 
 MODEL_INPUTS = ("input_ids", "labels", "position_ids", "attention_mask")
 
@@ -23,8 +24,8 @@ def count_label_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
-class CausalLM:
-    name = "sft"
+class CausalLM(Objective):
+    options_model = SFTOptions
 
     def count(self, batch: Batch) -> int:
         return count_label_tokens(batch["labels"])

@@ -36,20 +36,41 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ligertune.catalog.objectives.distill import DistillOptions
+from ligertune.errors import RecipeError
 from ligertune.kernels.fused_linear_logprobs import distillation_token_losses, fused_linear_distillation
-from ligertune.objectives.base import Batch, ObjectiveOutput
+from ligertune.objectives.base import Batch, Building, Objective, ObjectiveOutput
 from ligertune.objectives.causal_lm import count_label_tokens
-from ligertune.objectives.logps import model_inputs, shifted_targets
+from ligertune.objectives.logps import lm_head_is_fused, model_inputs, shifted_targets
+from ligertune.objectives.reference import build_frozen
 from ligertune.patching.losses import LM_HEAD_LOSS_FN
 
+# The options of `DistillOptions` the kernels take as keywords.
+KERNEL_OPTIONS = ("divergence", "temperature", "jsd_beta", "ce_weight")
 
-class Distill:
-    name = "distill"
+
+class Distill(Objective):
+    options_model = DistillOptions
 
     def __init__(self, teacher: nn.Module, fused: bool, **options):
         """`teacher`: the frozen teacher as the strategy placed it (`build_frozen`); `fused`:
-        whether both lm_heads run our fused kernel."""
+        whether both lm_heads run our fused kernel; `options`: `KERNEL_OPTIONS`."""
         self.teacher, self.fused, self.options = teacher, fused, options
+
+    @classmethod
+    def build(cls, options: DistillOptions, building: Building) -> Distill:
+        teacher = build_frozen(building.recipe, options.teacher, building.runtime)
+        policy = building.policy
+        if policy is not None and _vocabulary(policy) != _vocabulary(teacher):
+            raise RecipeError(
+                [
+                    f"objective.teacher: its vocabulary has {_vocabulary(teacher)} tokens, the model's "
+                    f"{_vocabulary(policy)}; distillation compares them token by token: use a teacher with the "
+                    "student's tokenizer"
+                ]
+            )
+        fused = policy is not None and lm_head_is_fused(policy) and lm_head_is_fused(teacher)
+        return cls(teacher, fused, **{k: getattr(options, k) for k in KERNEL_OPTIONS})
 
     def count(self, batch: Batch) -> int:
         return count_label_tokens(batch["labels"])
@@ -100,3 +121,9 @@ class Distill:
         )
         n = num_items.to(losses.dtype)
         return ObjectiveOutput(losses.sum() / n, {"ce": ce.detach().sum() / n, "kl": div.detach().sum() / n})
+
+
+def _vocabulary(model: nn.Module) -> int:
+    """The rows of a causal LM's lm_head, read from the module (``out_features``), not from its
+    weight, whose shape a sharded strategy has changed (ZeRO-3 leaves an empty placeholder)."""
+    return model.get_output_embeddings().out_features

@@ -23,10 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ligertune.catalog.objectives.dpo import LOSS_TYPES, DPOOptions
 from ligertune.objectives.base import Batch
 from ligertune.objectives.pairs import PairObjective, halves, pair_metrics
-
-LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 
 
 def dpo_losses(
@@ -55,14 +54,14 @@ def dpo_losses(
 
 
 class DPO(PairObjective):
-    name = "dpo"
+    options_model = DPOOptions
 
     def losses(self, logps, tokens, ref, batch: Batch | None):
-        loss_type = self.options.get("loss_type", "sigmoid")
+        loss_type = self.options.loss_type
         if loss_type == "ipo":  # IPO is defined on mean token log-probs (as TRL computes it)
             logps, ref = logps / tokens.clamp_min(1), ref / tokens.clamp_min(1)
         (chosen, rejected), (ref_c, ref_r) = halves(logps), halves(ref)
         loss, reward_c, reward_r = dpo_losses(
-            chosen, rejected, ref_c, ref_r, self.beta, loss_type, self.options.get("label_smoothing", 0.0)
+            chosen, rejected, ref_c, ref_r, self.beta, loss_type, self.options.label_smoothing
         )
         return loss, pair_metrics(chosen.detach(), rejected.detach(), reward_c, reward_r)

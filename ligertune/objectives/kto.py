@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ligertune.catalog.objectives.kto import KTOOptions
 from ligertune.objectives.base import Batch
 from ligertune.objectives.pairs import PairObjective, halves
 
@@ -47,7 +48,7 @@ def kto_losses(
 
 
 class KTO(PairObjective):
-    name = "kto"
+    options_model = KTOOptions
     separable = False  # z₀ is a mean over the micro-batch
 
     def losses(self, logps, tokens, ref, batch: Batch):
@@ -60,7 +61,7 @@ class KTO(PairObjective):
             ref_kl,
             desirable,
             self.beta,
-            self.options.get("desirable_weight", 1.0),
-            self.options.get("undesirable_weight", 1.0),
+            self.options.desirable_weight,
+            self.options.undesirable_weight,
         )
         return loss, {"kl": z0, "rewards": reward, "logps": policy.detach(), "desirable": desirable.float()}

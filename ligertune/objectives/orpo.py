@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ligertune.catalog.objectives.orpo import ORPOOptions
 from ligertune.objectives.base import Batch
 from ligertune.objectives.pairs import PairObjective, halves, pair_metrics
 
@@ -33,7 +34,7 @@ def orpo_losses(
 
 
 class ORPO(PairObjective):
-    name = "orpo"
+    options_model = ORPOOptions
 
     def losses(self, logps, tokens, ref, batch: Batch | None):
         mean = logps / tokens.clamp_min(1)

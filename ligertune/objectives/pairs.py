@@ -19,17 +19,29 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ligertune.objectives.base import Batch, ObjectiveOutput
-from ligertune.objectives.logps import label_tokens, pair_sequence_loss, sequence_logps
-from ligertune.objectives.reference import Reference
+from ligertune.catalog.objectives import ObjectiveOptions
+from ligertune.objectives.base import Batch, Building, Objective, ObjectiveOutput
+from ligertune.objectives.logps import label_tokens, lm_head_is_fused, pair_sequence_loss, sequence_logps
+from ligertune.objectives.reference import Reference, build_reference
 
 
-class PairObjective:
-    name = "pairs"
+class PairObjective(Objective):
+    """The common part of dpo, orpo, simpo and kto: `options` is the recipe's objective section
+    (``beta`` and the objective's own options), `reference` where the reference log-probs come
+    from (none for the reference-free objectives), `fused` whether the policy's lm_head runs the
+    fused kernel."""
+
     separable = True  # the loss of a pair reads only its own rows (module docstring)
 
-    def __init__(self, beta: float, reference: Reference, fused: bool, **options):
-        self.beta, self.reference, self.fused, self.options = beta, reference, fused, options
+    def __init__(self, options: ObjectiveOptions, reference: Reference, fused: bool):
+        self.options, self.reference, self.fused = options, reference, fused
+        self.beta = options.beta
+
+    @classmethod
+    def build(cls, options: ObjectiveOptions, building: Building) -> PairObjective:
+        fused = building.policy is not None and lm_head_is_fused(building.policy)
+        kind = getattr(options, "reference", "none")  # the reference-free objectives have no such key
+        return cls(options, build_reference(kind, options, building, fused), fused)
 
     def count(self, batch: Batch) -> int:
         self.reference.check(batch)

@@ -17,15 +17,16 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch import nn
 
+from ligertune.catalog.objectives import ObjectiveOptions
 from ligertune.errors import DataError, RecipeError
 from ligertune.lora import is_adapted
-from ligertune.objectives.base import Batch
 from ligertune.objectives.logps import lm_head_is_fused, sequence_logps
 from ligertune.patching import patch_model
 
 if TYPE_CHECKING:
+    from ligertune.catalog.section import ModelSection
     from ligertune.config import Recipe
-    from ligertune.config.schema import ModelSection
+    from ligertune.objectives.base import Batch, Building
 
 
 class Placement(Protocol):
@@ -96,12 +97,16 @@ class Reference:
             return sequence_logps(self.model, batch, self.fused)[0]
 
 
-def build_reference(
-    kind: str, recipe: Recipe | None, policy: nn.Module | None, runtime: Placement | None, fused: bool
-) -> Reference:
+def build_reference(kind: str, options: ObjectiveOptions, building: Building, fused: bool) -> Reference:
+    """The reference of ``objective.reference`` `kind`: a frozen model (the objective's
+    `frozen_model`, built and placed like the policy), the adapters-off policy with LoRA,
+    precomputed columns or none."""
     if kind != "frozen":
         return Reference(kind)
-    if policy is not None and is_adapted(policy):
-        return Reference("adapters_off", adapted=policy, fused=fused)
-    section = None if recipe is None else recipe.objective.reference_model or recipe.model
-    return Reference("frozen", model=build_frozen(recipe, section, runtime))
+    if building.policy is not None and is_adapted(building.policy):
+        return Reference("adapters_off", adapted=building.policy, fused=fused)
+    recipe = building.recipe
+    frozen = options.frozen_model(recipe) if recipe is not None else None
+    return Reference(
+        "frozen", model=build_frozen(recipe, frozen.section if frozen else None, building.runtime)
+    )

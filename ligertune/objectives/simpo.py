@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ligertune.catalog.objectives.simpo import SimPOOptions
 from ligertune.objectives.base import Batch
 from ligertune.objectives.pairs import PairObjective, halves, pair_metrics
 
@@ -31,7 +32,7 @@ def simpo_losses(
 
 
 class SimPO(PairObjective):
-    name = "simpo"
+    options_model = SimPOOptions
 
     def losses(self, logps, tokens, ref, batch: Batch | None):
         chosen, rejected = halves(logps / tokens.clamp_min(1))
@@ -39,7 +40,7 @@ class SimPO(PairObjective):
             chosen,
             rejected,
             self.beta,
-            self.options.get("gamma_beta_ratio", 0.5),
-            self.options.get("label_smoothing", 0.0),
+            self.options.gamma_beta_ratio,
+            self.options.label_smoothing,
         )
         return loss, pair_metrics(*halves(logps.detach()), reward_c, reward_r)

@@ -1,6 +1,6 @@
 """`patch_model`: the selected kernels of the registry, put into one model instance.
 
-Modules are found *by type* (the family table of `ligertune.models.families`) and only those
+Modules are found *by type* (the family table of `ligertune.catalog.families`) and only those
 instances get a new ``forward``. Nothing in the transformers package, in
 ``torch.nn.functional`` or in any class is modified, so two models in one process can be
 patched differently (or not at all), and since no module is replaced or renamed, ``state_dict``
@@ -20,9 +20,10 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from ligertune.models.families import FAMILIES
-from ligertune.patching.common import Patcher
-from ligertune.patching.registry import DEFAULT_KERNELS, KERNEL_NAMES, KERNELS, conflicts, kernel
+from ligertune.catalog.families import FAMILIES
+from ligertune.catalog.kernels import DEFAULT_KERNELS, KERNEL_NAMES, KERNELS, conflicts, kernel
+from ligertune.patching import losses, mlp, norms, rope  # noqa: F401 - each registers its patches
+from ligertune.patching.common import PATCHES, Patcher
 from ligertune.patching.report import PatchReport
 
 KernelSelection = Mapping[str, bool] | str | None
@@ -82,7 +83,7 @@ def patch_model(model: nn.Module, kernels: KernelSelection = None) -> PatchRepor
     patcher = Patcher(model, family, report)
     for entry in KERNELS:
         if entry.name in selected:
-            entry.patch_function()(patcher)
+            PATCHES[entry.name](patcher)
         else:
             patcher.skip(entry.name, "off in the recipe")
     if family is None and report.total == 0 and not report.already_patched:

@@ -1,8 +1,9 @@
 """What every kernel's patch function shares: the `Patcher` it works through, and how a forward
 is bound to one module instance.
 
-A patch function (one per registry entry, in `norms`, `rope`, `mlp`, `losses`) finds its target
-modules, by the family table's class names (`ligertune.models.families`) or, for a family the
+A patch function (one per kernel of the catalog, in `norms`, `rope`, `mlp`, `losses`, registered
+under the kernel's name with ``@patches``) finds its target
+modules, by the family table's class names (`ligertune.catalog.families`) or, for a family the
 table does not know, by module type and a probe; then hands (module, forward) pairs and the
 reasons for the modules it could not patch to `Patcher.apply`, which installs them, marks each
 patched module with the kernel's name and keeps the report. Nothing in transformers, in
@@ -19,10 +20,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from ligertune.models.families import Family
+from ligertune.catalog.families import Family
+from ligertune.catalog.kernels import kernel
 from ligertune.patching.report import PatchReport
 
 MARK = "_ligertune_kernel"
+
+# Kernel name → the function that patches it in (it takes a `Patcher`): filled by ``@patches``.
+PATCHES: dict[str, Callable[[Patcher], None]] = {}
+
+
+def patches(name: str) -> Callable:
+    """Register the decorated function as the patch of kernel `name` (a catalog entry)."""
+    kernel(name)  # KeyError naming the closest kernel: a typo fails at import, not at patch time
+
+    def register(function: Callable[[Patcher], None]) -> Callable[[Patcher], None]:
+        PATCHES[name] = function
+        return function
+
+    return register
 
 
 def is_marked(module: nn.Module) -> bool:

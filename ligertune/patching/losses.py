@@ -28,7 +28,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ligertune.kernels import cross_entropy as ce_kernel
 from ligertune.kernels import fused_linear_cross_entropy as flce_kernel
-from ligertune.patching.common import MARK, Patcher, is_marked, partial_forward, set_forward
+from ligertune.patching.common import MARK, Patcher, is_marked, partial_forward, patches, set_forward
 
 # The keyword of the patched causal LM's forward that swaps the fused cross entropy for another
 # function of the lm_head's hidden states, ``loss_fn(hidden [N, H], weight [V, H], target [N], bias,
@@ -254,10 +254,13 @@ def _causal_lms(patcher: Patcher, kernel: str) -> tuple[list[tuple[str, nn.Modul
     return targets, failures
 
 
+@patches("fused_linear_cross_entropy")
 def patch_fused_linear_cross_entropy(patcher: Patcher) -> None:
     kernel = "fused_linear_cross_entropy"
     if patcher.family is None:
-        patcher.skip(kernel, "needs a family entry in ligertune/models/families.py (cross_entropy can apply)")
+        patcher.skip(
+            kernel, "needs a family entry in ligertune/catalog/families.py (cross_entropy can apply)"
+        )
         return
     lms, failures = _causal_lms(patcher, kernel)
     targets = []
@@ -274,6 +277,7 @@ def patch_fused_linear_cross_entropy(patcher: Patcher) -> None:
         setattr(lm.lm_head, MARK, kernel)
 
 
+@patches("cross_entropy")
 def patch_cross_entropy(patcher: Patcher) -> None:
     kernel = "cross_entropy"
     lms, failures = _causal_lms(patcher, kernel)

@@ -16,7 +16,7 @@ from torch import nn
 from transformers.activations import FastGELUActivation, GELUTanh, NewGELUActivation, SiLUActivation
 
 from ligertune.kernels import swiglu as gated_kernel
-from ligertune.patching.common import MARK, Patcher, is_marked, matches, partial_forward, probe_input
+from ligertune.patching.common import MARK, Patcher, is_marked, matches, partial_forward, patches, probe_input
 
 # Gated activation (the kernel module's name for it) → the registry kernel that implements it.
 GATED_KERNELS = {"silu": "swiglu", "gelu_tanh": "geglu"}
@@ -111,9 +111,11 @@ def _patch_gated(patcher: Patcher, kernel: str) -> None:
     patcher.apply(kernel, found[kernel], failures, none_reason)
 
 
+@patches("swiglu")
 def patch_swiglu(patcher: Patcher) -> None:
     _patch_gated(patcher, "swiglu")
 
 
+@patches("geglu")
 def patch_geglu(patcher: Patcher) -> None:
     _patch_gated(patcher, "geglu")

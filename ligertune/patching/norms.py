@@ -18,7 +18,15 @@ from torch import nn
 
 from ligertune.kernels import layer_norm as ln_kernel
 from ligertune.kernels import rms_norm as rms_kernel
-from ligertune.patching.common import Patcher, instances, is_marked, matches, partial_forward, probe_input
+from ligertune.patching.common import (
+    Patcher,
+    instances,
+    is_marked,
+    matches,
+    partial_forward,
+    patches,
+    probe_input,
+)
 
 
 def _rms_norm_forward(self, hidden_states, *, eps_attr: str, offset: float, casting_mode: str):
@@ -56,6 +64,7 @@ def probe_rms_norm(module: nn.Module) -> dict | str:
     return "its output matches neither w·x̂ (Llama) nor (1+w)·x̂ (Gemma) on a random probe"
 
 
+@patches("rms_norm")
 def patch_rms_norm(patcher: Patcher) -> None:
     f = patcher.family
     if f is not None:
@@ -77,6 +86,7 @@ def patch_rms_norm(patcher: Patcher) -> None:
     patcher.apply("rms_norm", targets, failures, "no module whose class name ends in RMSNorm")
 
 
+@patches("layer_norm")
 def patch_layer_norm(patcher: Patcher) -> None:
     targets, failures = [], []
     for name, module in instances(patcher.model, nn.LayerNorm):

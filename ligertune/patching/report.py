@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ligertune.patching.registry import KERNEL_NAMES
+from ligertune.catalog.kernels import KERNEL_NAMES
 
 
 @dataclass

@@ -28,7 +28,7 @@ import types
 from collections.abc import Callable
 
 from ligertune.kernels import rope as rope_kernel
-from ligertune.patching.common import Patcher
+from ligertune.patching.common import Patcher, patches
 
 ROPE_NAME = "apply_rotary_pos_emb"
 
@@ -69,10 +69,11 @@ def rope_forward_for(hf_forward: Callable) -> Callable | str:
     return forward
 
 
+@patches("rope")
 def patch_rope(patcher: Patcher) -> None:
     family = patcher.family
     if family is None:
-        patcher.skip("rope", "needs a family entry in ligertune/models/families.py")
+        patcher.skip("rope", "needs a family entry in ligertune/catalog/families.py")
         return
     targets, failures = [], []
     for name, module in patcher.family_instances(family.attention):

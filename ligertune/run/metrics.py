@@ -10,7 +10,8 @@ Throughput
 
 MFU (model FLOPs utilisation)
     Achieved model FLOP/s per GPU over the GPU's dense bf16 peak (`PEAK_BF16_TFLOPS`, looked up
-    by device name). Model FLOPs per token follow the PaLM / Megatron convention:
+    by device name). Model FLOPs per token (`ligertune.catalog.shape.ModelShape.flops_per_token`,
+    from the same sizes as the memory plan) follow the PaLM / Megatron convention:
 
         6·N  +  12·L·d_attn·S
 
@@ -101,24 +102,6 @@ def peak_bf16_flops(device: torch.device) -> float | None:
         if key.lower() in name.lower():
             return PEAK_BF16_TFLOPS[key] * 1e12
     return None
-
-
-def matmul_params(model: torch.nn.Module) -> int:
-    """Parameters taking part in matmuls: everything but the input embedding lookup, with the
-    output projection counted once even when it shares the embedding's weight."""
-    total = sum(p.numel() for p in model.parameters())  # shared (tied) parameters once
-    embedding = model.get_input_embeddings().weight
-    output = model.get_output_embeddings()
-    tied = output is not None and output.weight is embedding
-    return total if tied else total - embedding.numel()
-
-
-def flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token, 6·N + 12·L·d_attn·S (see the module docstring)."""
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    attention_width = config.num_attention_heads * head_dim
-    return 6.0 * matmul_params(model) + 12.0 * config.num_hidden_layers * attention_width * seq_len
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -6,6 +6,8 @@ import importlib.metadata
 import os
 import platform
 
+from ligertune.catalog.strategies import STRATEGIES
+
 
 def _version(dist: str) -> str:
     try:
@@ -40,7 +42,7 @@ def describe_environment() -> dict[str, str]:
         "datasets",
         "tokenizers",
         "accelerate",
-        "deepspeed",
+        *(s.package for s in STRATEGIES if s.package),
         "liger-kernel",
     ):
         info[dist] = _version(dist)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,12 +31,13 @@ from torch import nn
 
 from ligertune.config import load_recipe
 from ligertune.data import load_tokenizer
-from ligertune.errors import DataError, RecipeError
+from ligertune.distributed import Runtime
+from ligertune.errors import DataError, RecipeError, UsageError
 from ligertune.models.build import build_model
-from ligertune.run.checkpoint import FULL_FORMAT, CheckpointManager, load_checkpoint
+from ligertune.run.checkpoint import CheckpointManager, load_checkpoint
 
 
-class GenerateError(Exception):
+class GenerateError(UsageError):
     """What `generate` cannot do, in one line (the CLI prints it and exits 2)."""
 
 
@@ -127,17 +127,11 @@ def _from_checkpoint(checkpoint: Path, device: torch.device) -> tuple[nn.Module,
             f"cannot rebuild the model of {checkpoint} from its recipe.yaml: {detail}"
         ) from None
     state = load_checkpoint(checkpoint)
-    if state.format == FULL_FORMAT:
-        weights = state.model
-    elif state.format == "dcp":
-        weights = _dcp_model_state(checkpoint / "dcp", model)
-    elif state.format == "deepspeed":
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        with contextlib.redirect_stdout(sys.stderr):  # its progress prints; stdout is the completion's
-            weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="deepspeed")
-    else:
+    reader = Runtime.reading(state.format)
+    if reader is None:
         raise GenerateError(f"{checkpoint}: unknown checkpoint format {state.format!r}")
+    with contextlib.redirect_stdout(sys.stderr):  # a reader's progress prints; stdout is the completion's
+        weights = reader.read_weights(state, model)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # A tied head is saved once by some formats; anything else missing is a wrong checkpoint.
     tied = {"lm_head.weight"} if model.lm_head.weight is model.get_input_embeddings().weight else set()
@@ -147,18 +141,6 @@ def _from_checkpoint(checkpoint: Path, device: torch.device) -> tuple[nn.Module,
             f"unexpected {sorted(unexpected)[:3]})"
         )
     return model.to(device), tokenizer
-
-
-def _dcp_model_state(directory: Path, model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model part of an fsdp checkpoint, read in one process (DCP needs no process group to
-    read: it loads in place into tensors of the requested shapes, whatever the saving sharding)."""
-    import torch.distributed.checkpoint as dcp
-
-    state = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=directory)
-    return state["model"]
 
 
 def generate(

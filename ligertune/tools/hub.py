@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ligertune.config import Recipe
 from ligertune.data.sources import source_specs
+from ligertune.errors import ExternalError
 from ligertune.paths import looks_local
 
 # Weight formats no transformers load reads when safetensors are present: skipped in a download
@@ -26,7 +27,7 @@ _OTHER_WEIGHTS = ["original/*", "*.pth", "*.gguf", "*.onnx", "*.msgpack", "*.h5"
 _TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja", "*.py"]
 
 
-class HubError(Exception):
+class HubError(ExternalError):
     """A hub operation that failed, in one line naming the recipe key."""
 
 

@@ -1,7 +1,7 @@
 """``ligertune plan``: will the recipe fit, and what is the fastest setting that does?
 
 Builds the recipe's model empty (meta device: no GPU memory, no weights read), prints the per-GPU
-breakdown of the recipe's own setting (`ligertune.training.memory.estimate` explains the model
+breakdown of the recipe's own setting (`ligertune.plan.estimate` explains the model
 and its assumptions), then a table over micro-batch size × activation checkpointing (none,
 selective every 2nd layer or the recipe's own selective setting, selective attention in every
 layer, full) × activation offload, each marked fits / does not fit on the
@@ -18,18 +18,12 @@ from rich.console import Console
 from rich.table import Table
 
 from ligertune.config import Recipe
-from ligertune.training.memory.choose import (
-    base_setting,
-    candidates,
-    cheapest_fix,
-    choose,
-    gib,
-    micro_batch_choices,
-    rank_choices,
-    recipe_checkpointing,
-)
-from ligertune.training.memory.estimate import CHECKPOINTING, GIB, HEADROOM_FRACTION, Breakdown, estimate
-from ligertune.training.memory.shape import recipe_shape
+from ligertune.errors import UsageError
+from ligertune.models.shape import frozen_shape, recipe_shape
+from ligertune.plan.choose import candidates, cheapest_fix, choose, gib, rank_choices
+from ligertune.plan.estimate import estimate
+from ligertune.plan.recipe import base_setting, micro_batch_choices, recipe_checkpointing
+from ligertune.plan.setting import CHECKPOINTING, GIB, HEADROOM_FRACTION, Breakdown
 
 
 @dataclass(frozen=True)
@@ -44,13 +38,23 @@ def gpu_bytes(option: str | None) -> int:
     """``--gpu-memory`` (``80GiB``, ``80``, ``81920MiB``), else the visible CUDA device's memory."""
     if option:
         text = option.strip().lower().replace(" ", "")
-        for suffix, scale in (("gib", GIB), ("gb", 10**9), ("mib", 2**20), ("g", GIB)):
-            if text.endswith(suffix):
-                return int(float(text[: -len(suffix)]) * scale)
-        return int(float(text) * GIB)
+        suffix, scale = next(
+            (
+                (s, n)
+                for s, n in (("gib", GIB), ("gb", 10**9), ("mib", 2**20), ("g", GIB))
+                if text.endswith(s)
+            ),
+            ("", GIB),
+        )
+        try:
+            return int(float(text.removesuffix(suffix)) * scale)
+        except ValueError:
+            raise UsageError(
+                f"--gpu-memory {option!r}: give a size such as 80GiB, 81920MiB, 80GB or a number of GiB"
+            ) from None
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory
-    raise ValueError("no CUDA device here: give the target with --gpu-memory (e.g. --gpu-memory 80GiB)")
+    raise UsageError("no CUDA device here: give the target with --gpu-memory (e.g. --gpu-memory 80GiB)")
 
 
 def _breakdown_table(b: Breakdown, budget: int) -> Table:
@@ -76,7 +80,7 @@ def _breakdown_table(b: Breakdown, budget: int) -> Table:
 def plan(recipe: Recipe, world_size: int, budget: int, console: Console) -> PlanResult:
     """Print the breakdown and the table of choices; the result says what fits."""
     shape = recipe_shape(recipe)
-    base = base_setting(recipe, world_size)
+    base = base_setting(recipe, world_size, frozen_shape(recipe))
     own = estimate(shape, base)
     pairs = f", {base.rows_per_sample} per sample (pairs)" if base.rows_per_sample > 1 else ""
     frozen = (
@@ -84,7 +88,7 @@ def plan(recipe: Recipe, world_size: int, budget: int, console: Console) -> Plan
     )
     console.print(
         f"{recipe.name}: {shape.params / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, "
-        f"vocab {shape.vocab}){frozen}, {base.precision}, {base.strategy} × {world_size}, rows of "
+        f"vocab {shape.vocab}){frozen}, {base.precision}, {base.parallel.strategy} × {world_size}, rows of "
         f"{base.seq_len} tokens{pairs}, kernels: {', '.join(sorted(base.kernels)) or 'none'}; target "
         f"{gib(budget)} per GPU"
     )

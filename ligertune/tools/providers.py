@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ligertune.patching.registry import DEFAULT_KERNELS
+from ligertune.catalog.kernels import DEFAULT_KERNELS
 
 
 @dataclass(frozen=True)

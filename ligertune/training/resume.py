@@ -50,12 +50,16 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from ligertune.catalog.objectives import OBJECTIVES
+from ligertune.catalog.strategies import STRATEGIES
+from ligertune.catalog.strategies.base import PRECISION_SAVED
 from ligertune.config import Recipe
 from ligertune.distributed import Runtime
 from ligertune.errors import RecipeError
 from ligertune.run.checkpoint import CheckpointManager, load_checkpoint, restore_rng_state
 from ligertune.run.manifest import DamagedCheckpoint, verify_checkpoint
 from ligertune.training.optim import apply_hyperparameters
+from ligertune.training.state import TrainState
 
 
 def data_order(recipe: Recipe, world_size: int) -> dict[str, Any]:
@@ -128,10 +132,11 @@ def _rows_per_position(c: _Compared) -> str | None:
             f"micro_batch_size × world size goes from {rows[0]} to {rows[1]} rows, so the saved data position "
             "would name other batches (keep the product: e.g. twice the micro-batch on half the processes)"
         )
-    if c.saved.get(WORLD_SIZE) != c.current.get(WORLD_SIZE) and c.saved_format == "deepspeed":
-        return (
-            "a DeepSpeed ZeRO checkpoint holds one partition per rank; launch as many processes as saved it"
-        )
+    one_file_per_rank = any(
+        s.resume_same_world_size for s in STRATEGIES if s.checkpoint_format == c.saved_format
+    )
+    if c.saved.get(WORLD_SIZE) != c.current.get(WORLD_SIZE) and one_file_per_rank:
+        return f"a {c.saved_format!r} checkpoint holds one partition per rank; launch as many processes as saved it"
     return None
 
 
@@ -146,7 +151,6 @@ def _same_format(c: _Compared) -> str | None:
 
 _APPLY = None
 _ORDER = "the data order depends on it: the saved position would name other batches"
-_PRECISION = "the weights and optimizer state were saved for another precision"
 # Recipe key (or section) → None: applied; a string: refused, and why; a function of both
 # recipes: None or why. The most specific entry wins; "" is every key the table does not name.
 RESUME_RULES: dict[str, str | Callable[[_Compared], str | None] | None] = {
@@ -186,13 +190,11 @@ RESUME_RULES: dict[str, str | Callable[[_Compared], str | None] | None] = {
     },
     "training.micro_batch_size": _rows_per_position,
     WORLD_SIZE: _rows_per_position,
-    "training.precision": _PRECISION,
+    "training.precision": PRECISION_SAVED,
     "kernels": _APPLY,
     "parallel.strategy": _same_format,
-    "parallel.fsdp.reshard_after_forward": _APPLY,
-    "parallel.fsdp.cpu_offload": _APPLY,
-    "parallel.fsdp.mixed_precision": _PRECISION,
-    "parallel.deepspeed": "a ZeRO checkpoint loads only into the DeepSpeed configuration that saved it",
+    # each strategy's own options: what it declares (`ligertune.catalog.strategies`)
+    **{f"parallel.{key}": rule for strategy in STRATEGIES for key, rule in strategy.resume_rules.items()},
     "logging": _APPLY,
     "checkpoint": _APPLY,
 }
@@ -238,6 +240,17 @@ def _show(value: Any) -> str:
     return "null" if value is None else repr(value)
 
 
+def _belongs_to_another_choice(key: str, saved: dict[str, Any], current: dict[str, Any]) -> bool:
+    """Whether `key` is an option of one objective or strategy that only one side chose (the
+    other side has no such key): the change of the choice itself (``parallel.strategy``) is the
+    one its rule decides, not each of its options."""
+    for choice in (OBJECTIVES, STRATEGIES):
+        chooser = f"{choice.section}.{choice.key}"
+        if key.startswith(choice.section + ".") and saved.get(chooser) != current.get(chooser):
+            return key not in saved or key not in current
+    return False
+
+
 def recipe_changes(
     recipe_yaml: str,
     recipe: Recipe,
@@ -255,7 +268,7 @@ def recipe_changes(
     applied, refused = [], []
     for key in [*current, *(k for k in saved if k not in current)]:
         before, after = saved.get(key, _ABSENT), current.get(key, _ABSENT)
-        if before == after:
+        if before == after or _belongs_to_another_choice(key, saved, current):
             continue
         rule = _rule_for(key)
         reason = rule(both) if callable(rule) else rule
@@ -272,10 +285,7 @@ def recipe_changes(
 
 @dataclass
 class Resumed:
-    step: int
-    epoch: int
-    batch_index: int
-    skipped_steps: int
+    state: TrainState
     message: str
 
 
@@ -338,11 +348,14 @@ def resume(
     apply_hyperparameters(optimizer, scheduler, recipe.training)
     if saved.rng is not None:  # None: this rank did not exist in the saving job
         restore_rng_state(saved.rng)
-    step, epoch, batch_index = saved.step, saved.state["epoch"], saved.state["batch_index"]
-    lines = [f"resumed from {saved.path} (step {step}, epoch {epoch}, micro-batch {batch_index})", *applied]
-    if step >= total_steps:
+    state = TrainState.from_checkpoint(saved.step, saved.state, saved.path)
+    lines = [
+        f"resumed from {saved.path} (step {state.step}, epoch {state.epoch}, micro-batch {state.batch_index})",
+        *applied,
+    ]
+    if state.step >= total_steps:
         lines.append(
-            f"the run is already complete ({step} of {total_steps} steps); to train again, set a new "
+            f"the run is already complete ({state.step} of {total_steps} steps); to train again, set a new "
             "output_dir or checkpoint.resume=none"
         )
-    return Resumed(step, epoch, batch_index, saved.state.get("skipped_steps", 0), "\n".join(lines))
+    return Resumed(state, "\n".join(lines))

@@ -1,14 +1,17 @@
 """The training loop, split like a torchtune recipe: `Trainer.setup`, `Trainer.train`, `Trainer.cleanup`.
 
-    setup:   machine rules → runtime → tokenizer and data → model → transforms (kernels, plugins,
-             checkpointing, compile) → wrap + optimizer → schedule → resume → metrics
+    setup:   machine rules → runtime → auto settings → run lock → components (`build`: data,
+             model, transforms, wrap + optimizer, schedule, objective) → resume → metrics
     train:   [ step → log → evaluate → checkpoint → stop? ]* → final checkpoint, evaluation,
              Hugging Face export, summary
     cleanup: metrics files closed, process group released
 
-One optimizer step is `ligertune.training.step.forward_backward` over the window's micro-batches
-with the objective's normalisation, then clipping, the finiteness check (the step's one host
-synchronisation) and the update.
+What the run is made of is built once (`ligertune.training.components.Components`); what changes
+as it runs and a checkpoint restores is one `ligertune.training.state.TrainState`; what the loop
+tracks between log lines (`Progress`) is neither. One optimizer step is
+`ligertune.training.step.forward_backward` over the window's micro-batches with the objective's
+normalisation, then clipping, the finiteness check (the step's one host synchronisation) and
+the update.
 
 Precision (``training.precision``)
     - ``fp32``: fp32 parameters, no autocast. The only choice on CPU (see below).
@@ -58,17 +61,22 @@ from torch import nn
 from ligertune.config import Recipe, machine_problems, recipe_to_yaml
 from ligertune.distributed import Runtime, create_runtime
 from ligertune.errors import OutOfMemoryError, RecipeError, TrainingError
+from ligertune.run.checkpoint import CheckpointManager
 from ligertune.run.lock import RunLock
 from ligertune.run.metrics import (
     MetricsLogger,
     RunSummary,
+    Throughput,
+    peak_bf16_flops,
     peak_memory_gib,
     reset_peak_memory,
 )
+from ligertune.training.auto import memory_budget, oom_suggestion, resolve_auto
+from ligertune.training.components import Components, build
 from ligertune.training.export import export_hf, push_export
-from ligertune.training.memory.auto import memory_budget, oom_suggestion, resolve_auto
-from ligertune.training.setup import TrainerSetup
+from ligertune.training.resume import data_order, resume, resume_path
 from ligertune.training.signals import StopSignal
+from ligertune.training.state import TrainState
 from ligertune.training.step import evaluate, forward_backward, micro_batch_stream
 
 
@@ -101,13 +109,27 @@ class TrainResult:
     model: nn.Module
 
 
-class Trainer(TrainerSetup):
+@dataclass
+class Progress:
+    """What the loop tracks between steps and log lines and does not checkpoint."""
+
+    window_losses: list[float] = field(default_factory=list)  # finite step losses since the last log line
+    window_metrics: dict[str, list[float]] = field(default_factory=dict)  # the objective's, likewise
+    consecutive_skipped: int = 0
+    last_loss: float | None = None
+    eval_loss: float | None = None
+
+
+class Trainer:
     """One run of a recipe. `setup` builds everything and may raise RecipeError/DataError;
     `train` runs the loop and may raise TrainingError; `cleanup` always runs after them."""
 
     def __init__(self, recipe: Recipe, on_step_end: Callable[[StepRecord], bool | None] | None = None):
-        self.recipe, self.training, self.on_step_end = recipe, recipe.training, on_step_end
+        self.recipe, self.on_step_end = recipe, on_step_end
         self.runtime: Runtime | None = None
+        self.parts: Components | None = None
+        self.state = TrainState()
+        self.progress = Progress()
         self.metrics: MetricsLogger | None = None
         self.lock: RunLock | None = None
         self.log: Callable[[str], None] = lambda message: None  # other ranks stay quiet
@@ -119,38 +141,100 @@ class Trainer(TrainerSetup):
         problems = machine_problems(recipe)
         if problems:
             raise RecipeError(problems)
-        self.runtime = create_runtime(recipe)
-        self.log = logging.getLogger("ligertune").info if self.runtime.is_main else self.log
-        # auto checkpointing / micro-batch size, planned against this GPU (ligertune.training.memory)
-        resolved = resolve_auto(recipe, self.runtime.world_size, self.runtime.device)
+        self.runtime = runtime = create_runtime(recipe)
+        self.log = logging.getLogger("ligertune").info if runtime.is_main else self.log
+        # auto checkpointing / micro-batch size, planned against this GPU (ligertune.training.auto)
+        resolved = resolve_auto(recipe, runtime.world_size, runtime.device)
         self.recipe = recipe = resolved.recipe
-        self.training, self.auto_message = recipe.training, resolved.message
         # Before anything is written: a second run on this output_dir stops here (ligertune.run.lock).
-        self.lock = RunLock.acquire(recipe.run_dir) if self.runtime.is_main else None
-        self.device = self.runtime.device
+        self.lock = RunLock.acquire(recipe.run_dir) if runtime.is_main else None
         torch.manual_seed(recipe.seed)
-        self._setup_data()
-        self._setup_model()
-        self._setup_resume()
-        self._setup_metrics()
+        self.parts = parts = build(recipe, runtime, self.log)
+        self.checkpoints = CheckpointManager(recipe.run_dir / "checkpoints", recipe.checkpoint.keep_last)
+        self.order = data_order(recipe, runtime.world_size)
+        resumed_message = self._resume()
+        if runtime.is_main:
+            self._start_log(resolved.message, resumed_message)
+        self.throughput = Throughput(
+            recipe.logging.throughput_warmup_steps,
+            runtime.world_size,
+            parts.flops_per_token,
+            peak_bf16_flops(runtime.device),
+        )
+
+    def _resume(self) -> str | None:
+        """Restore the newest intact checkpoint (``checkpoint.resume``) into the components and
+        the state; what the log says of it, or None when the run starts afresh."""
+        recipe, parts = self.recipe, self.parts
+        path, passed_over = resume_path(recipe, self.checkpoints)  # damaged ones passed over
+        if path is None:
+            return None
+        resumed = resume(
+            path, self.runtime, parts.model, parts.optimizer, parts.scheduler, recipe, parts.data.total_steps
+        )
+        self.state = resumed.state
+        if self.state.step == 0:
+            self.state.last_saved = None
+        return "\n".join([*passed_over, resumed.message])
+
+    def _start_log(self, auto_message: str | None, resumed_message: str | None) -> None:
+        """The run's opening lines and the start record of metrics.jsonl (main rank)."""
+        recipe, parts, runtime = self.recipe, self.parts, self.runtime
+        training = recipe.training
+        self.metrics = MetricsLogger(
+            recipe.run_dir,
+            parts.data.total_steps,
+            self.state.step,
+            progress=recipe.logging.progress,
+            loggers=recipe.logging.selected_loggers(),
+            options=recipe.logging.model_dump(),
+            config=recipe.model_dump(mode="json"),
+        )
+        self.log = self.metrics.info
+        self.log(parts.data.datasets.report())
+        self.log(
+            f"model {parts.model_class}, {parts.parameters / 1e6:.1f}M parameters, {training.precision} on "
+            f"{runtime.device} ({runtime.strategy}, {runtime.world_size} process(es)); {parts.data.total_steps} "
+            f"steps of {training.micro_batch_size} × {training.gradient_accumulation_steps} × {runtime.world_size} "
+            f"sequences of ≤ {recipe.data.max_seq_len} tokens"
+        )
+        for message in (auto_message, *parts.transform_reports.values(), runtime.notice, resumed_message):
+            if message:
+                self.log(str(message))
+        patch_report = parts.transform_reports.get("kernels")
+        self.metrics.write(
+            {
+                "event": "start",
+                "step": self.state.step,
+                "total_steps": parts.data.total_steps,
+                "world_size": runtime.world_size,
+                "strategy": runtime.strategy,
+                "device": str(runtime.device),
+                "parameters": parts.parameters,
+                "flops_per_token": parts.flops_per_token,
+                "kernels_patched": {k: n for k, n in patch_report.patched.items() if n}
+                if patch_report
+                else {},
+            }
+        )
 
     # -- train -------------------------------------------------------------------------------
 
     def train(self) -> TrainResult:
         """The loop, then the end of the run. Returns normally after a stop signal."""
-        training = self.training
+        training, state, total = self.recipe.training, self.state, self.parts.data.total_steps
         stream = micro_batch_stream(
-            self.loader, self.epoch, self.batch_index, None if training.max_steps else training.epochs
+            self.parts.data.loader,
+            state.epoch,
+            state.batch_index,
+            None if training.max_steps else training.epochs,
         )
-        self.window_losses: list[float] = []
-        self.window_metrics: dict[str, list[float]] = {}
-        self.consecutive_skipped = 0
-        self.last_loss = self.eval_loss = None
+        self.progress = Progress()
         stop_signal = None
-        reset_peak_memory(self.device)
+        reset_peak_memory(self.runtime.device)
         started = time.perf_counter()
         with StopSignal(self.log) as stop:
-            while self.step < self.total_steps:
+            while state.step < total:
                 record = self._step(stream)
                 if record is None:
                     break
@@ -169,18 +253,19 @@ class Trainer(TrainerSetup):
 
     def _step(self, stream: Iterator) -> StepRecord | None:
         """One optimizer step over the next window of micro-batches; None when the data ends."""
+        parts, state, training = self.parts, self.state, self.recipe.training
         t0 = time.perf_counter()
-        position_before = (self.epoch, self.batch_index)
-        window = list(itertools.islice(stream, self.training.gradient_accumulation_steps))
+        position_before = state.position
+        window = list(itertools.islice(stream, training.gradient_accumulation_steps))
         if not window:
             return None
-        self.epoch, self.batch_index = window[-1][1]
-        lr = self.optimizer.param_groups[0]["lr"]
+        state.epoch, state.batch_index = window[-1][1]
+        lr = parts.optimizer.param_groups[0]["lr"]
         try:
             outcome = forward_backward(
-                self.model, self.objective, [b for b, _ in window], self.runtime, self.autocast
+                parts.model, parts.objective, [b for b, _ in window], self.runtime, parts.autocast
             )
-            grad_norm = self.runtime.clip_grad_norm(self.model, self.training.max_grad_norm)
+            grad_norm = self.runtime.clip_grad_norm(parts.model, training.max_grad_norm)
             # The step's one host synchronisation: the finiteness check needs the values.
             loss, norm, items, label_tokens, tokens, *metric_values = torch.stack(
                 [
@@ -193,23 +278,23 @@ class Trainer(TrainerSetup):
             ).tolist()
             finite = math.isfinite(loss) and math.isfinite(norm)
             if finite:
-                self.runtime.optimizer_step(self.optimizer)
+                self.runtime.optimizer_step(parts.optimizer)
         except torch.OutOfMemoryError:
             self._out_of_memory()
-        self.optimizer.zero_grad(set_to_none=True)
+        parts.optimizer.zero_grad(set_to_none=True)
         if not finite:
             self._nonfinite(loss, norm, position_before)
-        self.scheduler.step()
-        self.step += 1
+        parts.scheduler.step()
+        state.step += 1
         seconds = time.perf_counter() - t0
         self.throughput.add_step(seconds, int(label_tokens), int(tokens))
         if finite:
-            self.last_loss = loss
-            self.window_losses.append(loss)
-            self.consecutive_skipped = 0
-        epoch_progress = self.epoch + self.batch_index / self.loader.batches_per_epoch
+            self.progress.last_loss = loss
+            self.progress.window_losses.append(loss)
+            self.progress.consecutive_skipped = 0
+        epoch_progress = state.epoch + state.batch_index / parts.data.loader.batches_per_epoch
         return StepRecord(
-            self.step,
+            state.step,
             epoch_progress,
             loss,
             norm,
@@ -225,21 +310,19 @@ class Trainer(TrainerSetup):
     def _out_of_memory(self) -> None:
         """A CUDA out-of-memory in the step: TrainingError with the peak and the plan's suggestion.
         Nothing is saved (the step's state is half done); the last checkpoint stays as it was."""
-        self.optimizer.zero_grad(set_to_none=True)
-        allocated, _ = peak_memory_gib(self.device)
-        budget = memory_budget(self.recipe, self.device) or 0
+        self.parts.optimizer.zero_grad(set_to_none=True)
+        device = self.runtime.device
+        allocated, _ = peak_memory_gib(device)
+        budget = memory_budget(self.recipe, device) or 0
         try:
             suggestion = oom_suggestion(self.recipe, self.runtime.world_size, budget)
         except Exception as e:  # the message must still come out
             suggestion = f"(no suggestion: {type(e).__name__}: {e})"
-        kept = (
-            f"the last checkpoint, {self.last_saved}, is kept"
-            if self.last_saved
-            else "no checkpoint was saved yet"
-        )
+        last = self.state.last_saved
+        kept = f"the last checkpoint, {last}, is kept" if last else "no checkpoint was saved yet"
         of = f" of {budget / 2**30:.1f}" if budget else ""
         raise OutOfMemoryError(
-            f"out of memory at step {self.step + 1} (peak {allocated or 0:.1f} GiB{of}): "
+            f"out of memory at step {self.state.step + 1} (peak {allocated or 0:.1f} GiB{of}): "
             f"ligertune plan suggests: {suggestion}; {kept}"
         ) from None
 
@@ -248,8 +331,8 @@ class Trainer(TrainerSetup):
         skip it, within the skip limits. Every rank sees the same loss and norm (reduced), so
         every rank decides the same and takes part in the save."""
         what = f"loss {loss} and grad norm {norm}" if not math.isfinite(loss) else f"grad norm {norm}"
-        at = self.step + 1
-        training = self.training
+        at = self.state.step + 1
+        training = self.recipe.training
         if training.on_nonfinite == "stop":
             self._stop_nonfinite(
                 f"non-finite {what} at step {at}; stopped",
@@ -257,7 +340,7 @@ class Trainer(TrainerSetup):
                 "to skip such steps",
                 position_before,
             )
-        total, in_a_row = self.skipped + 1, self.consecutive_skipped + 1
+        total, in_a_row = self.state.skipped + 1, self.progress.consecutive_skipped + 1
         for key, count, limit, counted in (
             ("max_skipped_steps", total, training.max_skipped_steps, "in the run"),
             ("max_consecutive_skipped_steps", in_a_row, training.max_consecutive_skipped_steps, "in a row"),
@@ -270,76 +353,85 @@ class Trainer(TrainerSetup):
                     "tolerate more skipped steps",
                     position_before,
                 )
-        self.skipped, self.consecutive_skipped = total, in_a_row
-        self.log(f"step {at}: non-finite {what}; skipped the optimizer step ({self.skipped} so far)")
+        self.state.skipped, self.progress.consecutive_skipped = total, in_a_row
+        self.log(f"step {at}: non-finite {what}; skipped the optimizer step ({self.state.skipped} so far)")
 
     def _stop_nonfinite(self, what: str, advice: str, position_before: tuple[int, int]) -> None:
         """Save the state from before the failing step (weights and optimizer untouched by it and
         by any skipped step; the data position of the failing step, so a resume replays it) and
         raise TrainingError."""
-        path = self.last_saved if self.last_saved == self.checkpoints.path_for(self.step) else None
-        path = path or self._save(self.step, position_before)
-        raise TrainingError(f"{what}. The last good state (step {self.step}) is saved in {path}. {advice}")
+        step, last = self.state.step, self.state.last_saved
+        path = last if last == self.checkpoints.path_for(step) else None
+        path = path or self._save(position_before)
+        raise TrainingError(f"{what}. The last good state (step {step}) is saved in {path}. {advice}")
 
     def _after_step(self, record: StepRecord) -> None:
         """Metrics, periodic evaluation and periodic checkpoint after step `record.step`."""
-        step = record.step
+        step, progress, recipe = record.step, self.progress, self.recipe
+        logged = step % recipe.logging.log_every == 0 or step == self.parts.data.total_steps
         if not record.skipped:
             for name, value in record.metrics.items():
-                self.window_metrics.setdefault(name, []).append(value)
+                progress.window_metrics.setdefault(name, []).append(value)
         if self.metrics is not None:
             self.metrics.step_done(step, None if record.skipped else record.loss)
-            if step % self.recipe.logging.log_every == 0 or step == self.total_steps:
-                allocated, reserved = peak_memory_gib(self.device)
-                self.metrics.train(
-                    {
-                        "step": step,
-                        "epoch": record.epoch,
-                        # The mean of the window's step losses (skipped steps left out).
-                        "loss": sum(self.window_losses) / len(self.window_losses)
-                        if self.window_losses
-                        else None,
-                        "lr": record.lr,
-                        "grad_norm": record.grad_norm,
-                        **self.throughput.take_window(),
-                        "peak_mem_allocated_gib": allocated,
-                        "peak_mem_reserved_gib": reserved,
-                        "skipped_steps": self.skipped,
-                        # The objective's metrics (rewards, margins, KL ...), means over the window.
-                        **{k: sum(v) / len(v) for k, v in self.window_metrics.items()},
-                    }
-                )
-                if self.window_metrics:
-                    self.log(
-                        f"step {step} {self.objective.name} | "
-                        + " | ".join(f"{k} {sum(v) / len(v):.4f}" for k, v in self.window_metrics.items())
-                    )
-                self.window_losses = []
-        if step % self.recipe.logging.log_every == 0 or step == self.total_steps:
-            self.window_metrics = {}
-        eval_every = self.training.eval_every
-        if self.eval_loader is not None and eval_every and step % eval_every == 0:
-            self.eval_loss = self._evaluate()
-        every = self.recipe.checkpoint.every_steps
+            if logged:
+                self._log_window(record)
+        if logged:
+            progress.window_losses, progress.window_metrics = [], {}
+        eval_every = recipe.training.eval_every
+        if self.parts.data.eval_loader is not None and eval_every and step % eval_every == 0:
+            progress.eval_loss = self._evaluate()
+        every = recipe.checkpoint.every_steps
         if every and step % every == 0:
-            self.last_saved = self._save(step, (self.epoch, self.batch_index))
+            self.state.last_saved = self._save(self.state.position)
+
+    def _log_window(self, record: StepRecord) -> None:
+        """The train record of the logging window that ends at this step (main rank)."""
+        progress = self.progress
+        allocated, reserved = peak_memory_gib(self.runtime.device)
+        means = {k: sum(v) / len(v) for k, v in progress.window_metrics.items()}
+        self.metrics.train(
+            {
+                "step": record.step,
+                "epoch": record.epoch,
+                # The mean of the window's step losses (skipped steps left out).
+                "loss": sum(progress.window_losses) / len(progress.window_losses)
+                if progress.window_losses
+                else None,
+                "lr": record.lr,
+                "grad_norm": record.grad_norm,
+                **self.throughput.take_window(),
+                "peak_mem_allocated_gib": allocated,
+                "peak_mem_reserved_gib": reserved,
+                "skipped_steps": self.state.skipped,
+                # The objective's metrics (rewards, margins, KL ...), means over the window.
+                **means,
+            }
+        )
+        if means:
+            self.log(
+                f"step {record.step} {self.parts.objective.name} | "
+                + " | ".join(f"{k} {v:.4f}" for k, v in means.items())
+            )
 
     def _evaluate(self) -> float | None:
+        parts = self.parts
         loss, items = evaluate(
-            self.model,
-            self.objective,
-            self.eval_loader,
+            parts.model,
+            parts.objective,
+            parts.data.eval_loader,
             self.runtime,
-            self.autocast,
-            self.training.eval_max_batches,
+            parts.autocast,
+            self.recipe.training.eval_max_batches,
         )
+        step = self.state.step
         if items == 0:
-            self.log(f"eval step {self.step}: the validation split has no label tokens; nothing to evaluate")
+            self.log(f"eval step {step}: the validation split has no label tokens; nothing to evaluate")
             return None
         if self.metrics is not None:
             self.metrics.eval(
                 {
-                    "step": self.step,
+                    "step": step,
                     "eval_loss": loss,
                     "eval_ppl": math.exp(min(loss, 700.0)),
                     "eval_label_tokens": items,
@@ -347,78 +439,75 @@ class Trainer(TrainerSetup):
             )
         return loss
 
-    def _save(self, at_step: int, position: tuple[int, int]) -> Path:
-        # Every rank takes part: each writes its share of the state (sharded strategies).
-        started = time.perf_counter()
+    def _save(self, position: tuple[int, int]) -> Path:
+        """A checkpoint of the current step at data `position`. Every rank takes part: each
+        writes its share of the state (sharded strategies)."""
+        started, step, parts = time.perf_counter(), self.state.step, self.parts
         path = self.checkpoints.save_from(
             self.runtime,
-            at_step,
-            write_state=lambda directory: self.runtime.save_state(directory, self.model, self.optimizer),
+            step,
+            write_state=lambda directory: self.runtime.save_state(directory, parts.model, parts.optimizer),
             format=self.runtime.checkpoint_format,
-            scheduler=self.scheduler.state_dict(),
-            state={
-                "epoch": position[0],
-                "batch_index": position[1],
-                "order": self.order,
-                "skipped_steps": self.skipped,
-            },
+            scheduler=parts.scheduler.state_dict(),
+            state=self.state.checkpoint_record(position, self.order),
             recipe_yaml=recipe_to_yaml(self.recipe),
         )
-        self.log(f"saved step-{at_step} to {path} in {time.perf_counter() - started:.1f} s")
+        self.log(f"saved step-{step} to {path} in {time.perf_counter() - started:.1f} s")
         return path
 
     def _save_unless_saved(self) -> None:
-        if self.last_saved != self.checkpoints.path_for(self.step):
-            self.last_saved = self._save(self.step, (self.epoch, self.batch_index))
+        if self.state.last_saved != self.checkpoints.path_for(self.state.step):
+            self.state.last_saved = self._save(self.state.position)
 
     def _finish(self, stop_signal: int | None, seconds: float) -> TrainResult:
         """After the loop: the final evaluation and export (a completed run only), the summary."""
+        parts, state, progress, recipe = self.parts, self.state, self.progress, self.recipe
         export_dir = None
-        if self.step >= self.total_steps and stop_signal is None:
-            eval_every = self.training.eval_every
-            if self.eval_loader is not None and not (eval_every and self.step % eval_every == 0):
-                self.eval_loss = self._evaluate()
-            if self.recipe.checkpoint.export_hf:
+        if state.step >= parts.data.total_steps and stop_signal is None:
+            eval_every = recipe.training.eval_every
+            if parts.data.eval_loader is not None and not (eval_every and state.step % eval_every == 0):
+                progress.eval_loss = self._evaluate()
+            if recipe.checkpoint.export_hf:
                 started = time.perf_counter()
                 export_dir = export_hf(
-                    self.model,
-                    self.tokenizer,
+                    parts.model,
+                    parts.data.tokenizer,
                     self.runtime,
-                    self.recipe.run_dir / "final",
-                    merge=self.recipe.export.merge_lora,
+                    recipe.run_dir / "final",
+                    merge=recipe.export.merge_lora,
                 )
                 self.log(
                     f"exported the model in Hugging Face format to {export_dir} in {time.perf_counter() - started:.1f} s"
                 )
-                pushed = push_export(export_dir, self.recipe.export, self.runtime)
+                pushed = push_export(export_dir, recipe.export, self.runtime)
                 if pushed:
                     self.log(f"uploaded the export to {pushed}")
         if self.metrics is not None:
-            allocated, reserved = peak_memory_gib(self.device)
-            extra = {"skipped steps": self.skipped, "checkpoint": str(self.last_saved)}
+            allocated, reserved = peak_memory_gib(self.runtime.device)
+            extra = {"skipped steps": state.skipped, "checkpoint": str(state.last_saved)}
             if stop_signal is not None:
                 extra["stopped by"] = signal.Signals(stop_signal).name
             self.metrics.summary(
                 RunSummary(
-                    steps=self.step,
+                    steps=state.step,
                     seconds=seconds,
                     rates=self.throughput.rates(self.throughput.run),
                     peak_mem_allocated_gib=allocated,
                     peak_mem_reserved_gib=reserved,
-                    final_loss=self.last_loss,
-                    eval_loss=self.eval_loss,
+                    final_loss=progress.last_loss,
+                    eval_loss=progress.eval_loss,
                     extra=extra,
                 )
             )
         return TrainResult(
-            steps=self.step,
-            final_loss=self.last_loss,
-            eval_loss=self.eval_loss,
-            run_dir=self.recipe.run_dir,
-            checkpoint=self.last_saved,
+            steps=state.step,
+            final_loss=progress.last_loss,
+            eval_loss=progress.eval_loss,
+            run_dir=recipe.run_dir,
+            checkpoint=state.last_saved,
             export_dir=export_dir,
             signal=stop_signal,
-            model=self.hf_model,
+            model=parts.hf_model,
         )
 
     # -- cleanup -----------------------------------------------------------------------------
@@ -431,7 +520,8 @@ class Trainer(TrainerSetup):
         # The strategy's wrapper (DDP's reducer) holds the process group: let it go while the
         # group is still registered, so the group is torn down by `shutdown`, not by the garbage
         # collector wherever the wrapper happens to be freed.
-        self.model = self.optimizer = None
+        if self.parts is not None:
+            self.parts.model = self.parts.optimizer = None
         if self.runtime is not None:
             self.runtime.shutdown(finished)
         if self.lock is not None:

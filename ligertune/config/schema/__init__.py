@@ -1,8 +1,10 @@
 """The recipe schema: one pydantic model per YAML section, every field typed, defaulted and described.
 
-The sections live in `base` (the strict `Section` base), `model` (model, tokenizer, LoRA,
-objective), `data`, `training` (training, kernels, parallel) and `run` (logging, checkpoint,
-export); `Recipe`, here, puts them together.
+The sections live in `model` (model, tokenizer, LoRA), `data`, `training` (training, kernels) and
+`run` (logging, checkpoint, export); the ``objective`` and ``parallel`` sections are the
+catalog's unions of one model per objective and per strategy (`ligertune.catalog.objectives`,
+`ligertune.catalog.strategies`), and the strict `Section` base is the catalog's too. `Recipe`,
+here, puts them together.
 
 ``docs/recipes.md`` is generated from these models (``python scripts/gen_recipe_docs.py``, checked
 by a test). Rules that relate several keys live in `ligertune.config.rules`, not here: a field
@@ -16,38 +18,15 @@ from pathlib import Path
 
 from pydantic import Field, field_validator, model_validator
 
-from ligertune.config.schema.base import (
-    BUILTIN_PLUGINS,
-    HUB_REPO_ID,
-    RUN_NAME,
-    AdamBeta,
-    Section,
-)
-from ligertune.config.schema.data import (
-    DATA_FORMATS,
-    PAIR_FORMATS,
-    DataFormat,
-    DataSection,
-    DataSource,
-)
-from ligertune.config.schema.model import (
-    LoraSection,
-    ModelSection,
-    ObjectiveSection,
-    TokenizerSection,
-)
-from ligertune.config.schema.run import (
-    CheckpointSection,
-    ExportSection,
-    LoggingSection,
-)
-from ligertune.config.schema.training import (
-    DeepSpeedOptions,
-    FSDPOptions,
-    KernelsSection,
-    ParallelSection,
-    TrainingSection,
-)
+from ligertune.catalog import objectives, strategies
+from ligertune.catalog.formats import PAIR_FORMATS
+from ligertune.catalog.objectives import OBJECTIVES, ObjectiveOptions
+from ligertune.catalog.section import RUN_NAME, ModelSection, Section
+from ligertune.catalog.strategies import STRATEGIES, ParallelOptions
+from ligertune.config.schema.data import DataSection, DataSource
+from ligertune.config.schema.model import LoraSection, TokenizerSection
+from ligertune.config.schema.run import CheckpointSection, ExportSection, LoggingSection
+from ligertune.config.schema.training import KernelsSection, TrainingSection
 from ligertune.paths import resolve_path
 
 
@@ -80,7 +59,10 @@ class Recipe(Section):
         default_factory=KernelsSection,
         description="Which Triton kernels to patch in: all, none, or per kernel.",
     )
-    parallel: ParallelSection = Field(default_factory=ParallelSection, description="Multi-GPU strategy.")
+    parallel: STRATEGIES.annotation = Field(
+        default_factory=STRATEGIES.default,
+        description="Multi-GPU strategy: one of " + ", ".join(STRATEGIES.names) + ", with its options.",
+    )
     logging: LoggingSection = Field(
         default_factory=LoggingSection, description="Metrics and progress output."
     )
@@ -90,8 +72,9 @@ class Recipe(Section):
     export: ExportSection = Field(
         default_factory=ExportSection, description="Where the final export goes besides the run directory."
     )
-    objective: ObjectiveSection = Field(
-        default_factory=ObjectiveSection, description="The loss: sft (default), preference or distillation."
+    objective: OBJECTIVES.annotation = Field(
+        default_factory=OBJECTIVES.default,
+        description="The loss: one of " + ", ".join(OBJECTIVES.names) + ", with its options.",
     )
     lora: LoraSection | None = Field(
         None,
@@ -132,6 +115,16 @@ class Recipe(Section):
             self.data.packing = False
         return self
 
+    @field_validator("objective", mode="before")
+    @classmethod
+    def _objective_section(cls, value):
+        return objectives.read_section(value)
+
+    @field_validator("parallel", mode="before")
+    @classmethod
+    def _parallel_section(cls, value):
+        return strategies.read_section(value)
+
     @field_validator("kernels", mode="before")
     @classmethod
     def _kernel_preset(cls, value):
@@ -152,25 +145,16 @@ class Recipe(Section):
 
 
 __all__ = [
-    "AdamBeta",
-    "BUILTIN_PLUGINS",
     "CheckpointSection",
-    "DATA_FORMATS",
-    "DataFormat",
     "DataSection",
     "DataSource",
-    "DeepSpeedOptions",
     "ExportSection",
-    "FSDPOptions",
-    "HUB_REPO_ID",
     "KernelsSection",
     "LoggingSection",
     "LoraSection",
     "ModelSection",
-    "ObjectiveSection",
-    "PAIR_FORMATS",
-    "ParallelSection",
-    "RUN_NAME",
+    "ObjectiveOptions",
+    "ParallelOptions",
     "Recipe",
     "Section",
     "TokenizerSection",

@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field
 
-from ligertune.config.schema.base import Section
-
-DATA_FORMATS = (
-    "alpaca",
-    "chat",
-    "messages",
-    "sharegpt",
-    "prompt_completion",
-    "pretokenized",
-    "preference",
-    "kto",
-)
-DataFormat = Literal[
-    "alpaca", "chat", "messages", "sharegpt", "prompt_completion", "pretokenized", "preference", "kto"
-]
-# Formats whose rows are two sequences trained together (ligertune/data/preference.py).
-PAIR_FORMATS = ("preference", "kto")
+from ligertune.catalog.formats import DataFormat
+from ligertune.catalog.section import Section
 
 
 class DataSource(Section):

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from ligertune.config.schema.base import HUB_REPO_ID, Section
+from ligertune.catalog.section import HUB_REPO_ID, Section
 
 
 class LoggingSection(Section):

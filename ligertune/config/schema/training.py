@@ -1,4 +1,5 @@
-"""How to train: the optimizer and loop (`TrainingSection`), the kernels, and the parallel strategy."""
+"""How to train: the optimizer and loop (`TrainingSection`) and the kernels (`KernelsSection`). The
+parallel strategy's section is the catalog's (`ligertune.catalog.strategies`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,8 @@ from typing import Literal
 
 from pydantic import Field, create_model, field_validator
 
-from ligertune.config.schema.base import AdamBeta, Section
-from ligertune.patching.registry import KERNEL_NAMES, KERNELS
+from ligertune.catalog.kernels import KERNEL_NAMES, KERNELS
+from ligertune.catalog.section import AdamBeta, Section
 
 # The decoder-layer sub-modules ``activation_checkpointing_modules`` can name (the training code
 # maps them to each family's attribute: ``self_attn``, ``mlp``).
@@ -169,7 +170,7 @@ class _KernelSwitches(Section):
         return [k for k in KERNEL_NAMES if getattr(self, k)]
 
 
-# One field per `ligertune.patching.registry.KERNELS` entry, in its order: adding a kernel to the
+# One field per `ligertune.catalog.kernels.KERNELS` entry, in its order: adding a kernel to the
 # registry adds its recipe key, its documentation line and its command-line spelling.
 KernelsSection = create_model(
     "KernelsSection",
@@ -177,53 +178,3 @@ KernelsSection = create_model(
     __doc__="Which Triton kernels to patch in: one switch per kernel of the registry.",
     **{k.name: (bool, Field(k.default, description=k.summary)) for k in KERNELS},
 )
-
-
-class FSDPOptions(Section):
-    reshard_after_forward: bool = Field(
-        True, description="Free gathered parameters after forward (ZeRO-3 style)."
-    )
-    cpu_offload: bool = Field(False, description="Keep sharded parameters and gradients on the CPU.")
-    mixed_precision: bool = Field(True, description="bf16 parameters in compute, fp32 gradient reduction.")
-
-
-class DeepSpeedOptions(Section):
-    zero_stage: Literal[1, 2, 3] = Field(3, description="ZeRO stage.")
-    offload_optimizer: bool = Field(False, description="Offload optimizer states to the CPU.")
-    offload_params: bool = Field(False, description="Offload parameters to the CPU (stage 3).")
-    config: str | None = Field(None, description="A DeepSpeed JSON file merged over the generated config.")
-
-    @field_validator("zero_stage", mode="before")
-    @classmethod
-    def _stage_not_bool(cls, value):
-        """``True == 1`` in Python, so a Literal[1, 2, 3] would read ``zero_stage: true`` as 1."""
-        if isinstance(value, bool):
-            raise ValueError(f"got {value!r}; allowed: 1, 2 or 3")
-        return value
-
-
-class ParallelSection(Section):
-    strategy: Literal["none", "ddp", "fsdp", "deepspeed"] = Field(
-        "none", description="none (one device), ddp, fsdp (FSDP2 fully_shard) or deepspeed (ZeRO)."
-    )
-    fsdp: FSDPOptions = Field(default_factory=FSDPOptions, description="Options for strategy fsdp.")
-    deepspeed: DeepSpeedOptions = Field(
-        default_factory=DeepSpeedOptions, description="Options for strategy deepspeed."
-    )
-    sharded_init: Literal["auto"] | bool = Field(
-        "auto",
-        description="Build the model empty (meta device), shard it, then fill each rank's shards from "
-        "rank 0 (fsdp) or build it inside deepspeed.zero.Init (ZeRO-3), so no GPU holds the whole "
-        "model. auto: on for fsdp (without cpu_offload) and deepspeed stage 3 (off with lora); true "
-        "elsewhere is an error.",
-    )
-
-    @property
-    def shards_at_init(self) -> bool:
-        """Whether the model is built sharded (``sharded_init`` with ``auto`` resolved)."""
-        sharding = self.strategy == "fsdp" or (
-            self.strategy == "deepspeed" and self.deepspeed.zero_stage == 3
-        )
-        if self.sharded_init == "auto":  # not yet with FSDP's CPU offload (docs/distributed.md)
-            return sharding and not (self.strategy == "fsdp" and self.fsdp.cpu_offload)
-        return bool(self.sharded_init)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ligertune.errors import UsageError
+
 SCHEMA = "ligertune-bench/1"
 CPU_LABEL = "CPU — not meaningful"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -39,7 +41,7 @@ DEFINITIONS = {
 }
 
 
-class BenchError(ValueError):
+class BenchError(UsageError):
     """A bad option; the message names it and says what is accepted."""
 
 

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ligertune.catalog.kernels import KERNEL_NAMES, conflicts, kernel
 from ligertune.config import KernelsSection, Recipe, load_recipe
 from ligertune.distributed.env import launched_as
-from ligertune.errors import RecipeError
-from ligertune.patching.registry import KERNEL_NAMES, conflicts, kernel
+from ligertune.errors import RecipeError, UsageError
 
 SCHEMA = "ligertune-compare/1"
 BASELINE = "off"
@@ -29,7 +29,7 @@ STATUSES = ("oom", "error", "nonfinite", "ok")
 _CONTROLLED = {"kernels": "--kernels", "training.max_steps": "--steps", "output_dir": "--out"}
 
 
-class CompareError(ValueError):
+class CompareError(UsageError):
     """Bad options for `ligertune compare`; the message says what to change."""
 
 
@@ -162,7 +162,7 @@ def make_plan(
             )
     recipe = load_recipe(recipe_path, overrides)
     nproc = processes_per_arm(nproc_per_node)
-    if nproc > 1 and recipe.parallel.strategy == "none":
+    if nproc > 1 and not recipe.parallel.multi_process:
         raise CompareError(
             f"{nproc} processes per arm need a multi-process strategy: add parallel.strategy=ddp (or fsdp, deepspeed)"
         )

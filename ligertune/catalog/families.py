@@ -1,0 +1,92 @@
+"""Which Hugging Face classes each supported model family uses, in one table.
+
+`ligertune.patching` reads this table to find modules *by type* in an instantiated model; it never
+copies a modeling file. One row per ``config.model_type``. Everything that differs between
+families and matters to a kernel is a field here:
+
+* the RMSNorm class and its semantics. Llama-style norms compute ``w * (x̂ in the input
+  dtype)``; Gemma-style norms compute ``((1 + w) * x̂)`` in fp32 and cast once at the end,
+  where ``x̂ = x / sqrt(mean(x²) + eps)``. The name of the eps attribute differs as well.
+* the decoder layer class, the unit of activation checkpointing, compile and FSDP2 sharding
+  (a multimodal model also has vision blocks in ``_no_split_modules``; this names the
+  language model's);
+* the attention class, whose forward calls the modeling module's ``apply_rotary_pos_emb``
+  (Phi3's version rotates only the first ``cos.shape[-1]`` channels: partial rotary);
+* the gated MLP class, whether gate and up come from one fused projection (Phi3's
+  ``gate_up_proj``, split in half: gate first) and the attribute holding the activation;
+* the causal-LM class and the config attribute of its final-logit softcap (Gemma 2/3:
+  ``logits = cap · tanh(logits / cap)`` before the loss).
+
+Classes are named, not imported, so that importing this table costs nothing (it is part of the
+torch-free catalog); `resolve` imports the modeling module on demand.
+
+A family with other parts keeps to one row: a mixture-of-experts family adds a record of its
+expert and router classes (and how it routes), a vision-language family one of its vision tower
+and projector, each a field of `Family` that is None for the dense text families.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    module: str  # the transformers modeling module holding the classes below
+    rms_norm: str
+    norm_offset: float  # 0: w·x̂ (Llama);  1: (1 + w)·x̂ (Gemma)
+    norm_casting: str  # "llama": cast x̂ to the input dtype before the weight; "gemma": all in fp32
+    norm_eps_attr: str
+    decoder_layer: str
+    attention: str
+    mlp: str
+    causal_lm: str
+    mlp_act_attr: str = "act_fn"
+    mlp_fused_gate_up: bool = False  # Phi3: gate_up_proj → (gate, up) halves
+    logit_softcap_attr: str | None = None  # config attribute read at call time (None: no softcap)
+
+    def resolve(self, name: str) -> type:
+        """The class called `name` in this family's modeling module."""
+        return getattr(importlib.import_module(self.module), name)
+
+
+def _llama_like(model_type: str, prefix: str, package: str | None = None, **changes) -> Family:
+    package = package or model_type
+    fields = dict(
+        model_type=model_type,
+        module=f"transformers.models.{package}.modeling_{package}",
+        rms_norm=f"{prefix}RMSNorm",
+        norm_offset=0.0,
+        norm_casting="llama",
+        norm_eps_attr="variance_epsilon",
+        decoder_layer=f"{prefix}DecoderLayer",
+        attention=f"{prefix}Attention",
+        mlp=f"{prefix}MLP",
+        causal_lm=f"{prefix}ForCausalLM",
+    )
+    fields.update(changes)
+    return Family(**fields)
+
+
+def _gemma_like(model_type: str, prefix: str, package: str, **changes) -> Family:
+    return _llama_like(
+        model_type, prefix, package, norm_offset=1.0, norm_casting="gemma", norm_eps_attr="eps", **changes
+    )
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        _llama_like("llama", "Llama"),
+        _llama_like("mistral", "Mistral"),
+        _llama_like("qwen2", "Qwen2"),
+        _llama_like("qwen3", "Qwen3"),  # q_norm / k_norm are Qwen3RMSNorm: found by type
+        _llama_like("phi3", "Phi3", mlp_act_attr="activation_fn", mlp_fused_gate_up=True),
+        _gemma_like("gemma", "Gemma", "gemma"),
+        _gemma_like("gemma2", "Gemma2", "gemma2", logit_softcap_attr="final_logit_softcapping"),
+        # Gemma 3 text-only checkpoints; the multimodal `gemma3` model type is not covered.
+        _gemma_like("gemma3_text", "Gemma3", "gemma3", logit_softcap_attr="final_logit_softcapping"),
+    )
+}

@@ -1,0 +1,18 @@
+"""The data formats a recipe can name (``data.format``), as the objectives and the data layer
+both need them: which rows are single sequences and which are pairs trained together.
+`ligertune.data.formats` reads each of them; the objectives (`ligertune.catalog.objectives`)
+say which they train on."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+DataFormat = Literal[
+    "alpaca", "chat", "messages", "sharegpt", "prompt_completion", "pretokenized", "preference", "kto"
+]
+DATA_FORMATS: tuple[str, ...] = DataFormat.__args__
+# Formats whose rows are two sequences trained together (ligertune/data/preference.py): a
+# micro-batch of B of them is a [2B, S] batch.
+PAIR_FORMATS = ("preference", "kto")
+# Formats of one sequence per row.
+SEQUENCE_FORMATS = tuple(f for f in DATA_FORMATS if f not in PAIR_FORMATS)

@@ -1,0 +1,49 @@
+"""`ModelShape`: the sizes of a model that decide its memory and its FLOPs, in one place.
+
+Read once from a model (``ligertune.models.shape.model_shape``, on the meta device: no memory,
+no weights) and then used by torch-free arithmetic: the memory plan (`ligertune.plan`) and the
+model FLOPs behind MFU (`ligertune.run.metrics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes that decide memory and FLOPs, read from a (meta-device) model and its config
+    (a multimodal model's ``text_config`` for the language model's geometry)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    params: int  # all parameters
+    layer_params: int  # one decoder layer
+    embed_params: int  # the input embedding
+    head_params: int  # the lm_head (0 when tied to the embedding)
+    lora_params: int = 0  # trainable adapter parameters (0: full fine-tuning)
+
+    @property
+    def trainable(self) -> int:
+        return self.lora_params or self.params
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters taking part in matmuls: all but the input embedding's lookup, with the
+        output projection counted once even when it shares the embedding's weight."""
+        return self.params if self.head_params == 0 else self.params - self.embed_params
+
+    @property
+    def attention_width(self) -> int:
+        """d_attn = heads × head_dim: the width of QKᵀ and PV."""
+        return self.heads * self.head_dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, 6·N + 12·L·d_attn·S (`ligertune.run.metrics` explains the
+        convention)."""
+        return 6.0 * self.matmul_params + 12.0 * self.layers * self.attention_width * seq_len

@@ -1,0 +1,78 @@
+"""A model's `ModelShape` (the sizes behind the memory plan and the FLOPs count), read from an
+empty (meta-device) build of the recipe's model.
+
+`recipe_shape` builds the model with ``build_model(..., empty=True)``: shapes and dtypes only,
+no memory, no weights read, so it answers for an 8B model on a laptop in seconds.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ligertune.catalog.shape import ModelShape
+from ligertune.models.build import build_model, decoder_layers
+
+if TYPE_CHECKING:
+    from ligertune.config import Recipe
+    from ligertune.config.schema import ModelSection
+
+
+def model_shape(model: nn.Module, lora_params: int = 0) -> ModelShape:
+    """A `ModelShape` from a causal LM (any device, meta included) and its config."""
+    config = model.config
+    config = getattr(config, "text_config", None) or config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    layers = decoder_layers(model)
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    head_weight = head.weight if head is not None else embed
+    unique = {id(p): p for p in model.parameters()}
+    return ModelShape(
+        layers=len(layers),
+        hidden=config.hidden_size,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        intermediate=config.intermediate_size,
+        vocab=embed.shape[0],
+        params=sum(p.numel() for p in unique.values()),
+        layer_params=sum(p.numel() for p in layers[0].parameters()),
+        embed_params=embed.numel(),
+        head_params=0 if head_weight is embed else head_weight.numel(),
+        lora_params=lora_params,
+    )
+
+
+def lora_params(model: nn.Module, rank: int, targets: str | list[str]) -> int:
+    """Trainable parameters of LoRA adapters of rank `rank` on the decoder layers' linear layers
+    named in `targets` (``all-linear``: every one): r × (in + out) each."""
+    total = 0
+    for layer in decoder_layers(model):
+        for name, module in layer.named_modules():
+            if isinstance(module, nn.Linear) and (targets == "all-linear" or name.split(".")[-1] in targets):
+                total += rank * (module.in_features + module.out_features)
+    return total
+
+
+def recipe_shape(recipe: Recipe) -> ModelShape:
+    """The shape of the recipe's model, from an empty build (no memory, no weights read)."""
+    model = build_model(recipe, torch.device("cpu"), empty=True)
+    adapters = lora_params(model, recipe.lora.r, recipe.lora.target_modules) if recipe.lora else 0
+    return model_shape(model, adapters)
+
+
+def section_shape(recipe: Recipe, section: ModelSection) -> ModelShape:
+    """The shape of another model section of the recipe (a frozen reference or teacher), built
+    as `build_frozen` builds it: the recipe with that model section, no adapters."""
+    return recipe_shape(recipe.model_copy(update={"model": section, "lora": None}))
+
+
+def frozen_shape(recipe: Recipe) -> ModelShape | None:
+    """The shape of the frozen model the recipe's objective holds besides the policy (its
+    `frozen_model`: a reference, a teacher), or None when it holds none."""
+    frozen = recipe.objective.frozen_model(recipe)
+    return section_shape(recipe, frozen.section) if frozen is not None else None

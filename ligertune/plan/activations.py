@@ -1,0 +1,243 @@
+"""What autograd saves for backward, per token, and what the loss head and one layer's backward
+allocate on top: the activation half of the memory plan (`ligertune.plan.estimate` explains the
+model of a step and lists the assumptions).
+
+`layer_saved` lists, tensor by tensor, what autograd keeps for backward in one Llama-style
+decoder layer (RMSNorm → attention with RoPE → RMSNorm → gated MLP, as transformers 5.17
+writes them), per token, with and without our kernels. A tensor saved by two nodes (the normed
+hidden state feeds q, k and v) is counted once; views share their base's storage.
+
+    HF eager                                         ours (kernels on)
+    RMSNorm: x in fp32, x·rstd, rstd, output         RMSNorm kernel: x, rstd (+ the output, saved by the projections)
+    RoPE: cos/sin only (shared by every layer)       RoPE kernel: cos/sin only (it saves temporaries, not activations)
+    attention (sdpa/flash): q, k, v, out, lse        the same
+    MLP: gate, silu(gate), up, silu(gate)·up         SwiGLU kernel: gate, up (+ the product, saved by down_proj)
+    loss: fp32 log-probabilities [tokens × vocab]    fused linear CE: dh [tokens × hidden] and dW [vocab × hidden]
+    distill: three fp32 [tokens × vocab]             fused distillation: dh and dW, as the fused CE
+
+(``kernels/*.py`` say what each autograd Function saves.) Each tensor is tagged with the
+sub-module whose operations save it (a norm's output is saved by the projections after it):
+checkpointing a sub-module (``training.activation_checkpointing_modules``) drops its tensors and
+keeps its input instead (`checkpointed_layer_saved`); checkpointing a whole layer keeps only the
+layer's input. The listing is checked against a measurement on CPU (``tests/test_plan.py``:
+``saved_tensors_hooks`` summing the unique storages of a tiny model's forward, with and without
+sub-module checkpointing).
+
+The loss head's chunking is the kernels' own (`ligertune.kernels.chunking`, plain arithmetic),
+so the plan and the kernels cannot drift.
+"""
+
+from __future__ import annotations
+
+from ligertune.catalog.shape import ModelShape
+from ligertune.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, DISTILL_BUFFERS, chunk_rows, sweep_rows
+from ligertune.plan.setting import (
+    GIB,
+    Saved,
+    Setting,
+    checkpointed_layers,
+    compute_bytes,
+    stream_bytes,
+)
+
+
+def _norm_saved(
+    name: str, shape: ModelShape, s: Setting, fused: bool, output_saved: bool, consumer: str | None = None
+) -> list[Saved]:
+    """A norm's saved tensors; its output when `output_saved`, as saved by the linear layers of
+    the `consumer` sub-module."""
+    es, ea, h = stream_bytes(s), compute_bytes(s), shape.hidden
+    if fused:  # our kernel: x and rstd (rms_norm.py `_rms_norm_setup`)
+        saved = [Saved(f"{name}: input x", h, es), Saved(f"{name}: rstd", 1, 4)]
+    else:  # HF: x.to(fp32) (pow, mul), rsqrt(var+eps) (mul), x·rstd in the input dtype (weight mul)
+        saved = [
+            Saved(f"{name}: input in fp32", h, 4),
+            Saved(f"{name}: rstd", 1, 4),
+            Saved(f"{name}: x·rstd", h, es),
+        ]
+    if output_saved:  # the next linear layers keep their input (autocast: its bf16 copy)
+        saved.append(Saved(f"{name}: output (projections' input)", h, ea, consumer))
+    return saved
+
+
+def layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
+    """What autograd saves for one decoder layer, per token (see the module docstring)."""
+    ea, k = compute_bytes(s), s.kernels
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    kv_attn = kv if s.gqa_native else q  # repeat_kv expands k and v before sdpa
+    saved = _norm_saved("input_layernorm", shape, s, "rms_norm" in k, True, "attention")
+    # RoPE, eager or ours, saves only cos and sin (once per model): q·cos needs cos for q's
+    # gradient, and cos needs none.
+    saved += [
+        Saved("attention: q", q, ea, "attention"),
+        Saved("attention: k", kv_attn, ea, "attention"),
+        Saved("attention: v", kv_attn, ea, "attention"),
+        Saved("attention: output (o_proj's input)", q, ea, "attention"),
+        Saved("attention: log-sum-exp", shape.heads, 4, "attention"),
+    ]
+    saved += _norm_saved("post_attention_layernorm", shape, s, "rms_norm" in k, True, "mlp")
+    i = shape.intermediate
+    saved += [Saved("mlp: gate", i, ea, "mlp"), Saved("mlp: up", i, ea, "mlp")]
+    if not ({"swiglu", "geglu"} & k):
+        saved.append(Saved("mlp: act(gate)", i, ea, "mlp"))
+    saved.append(Saved("mlp: act(gate)·up (down_proj's input)", i, ea, "mlp"))
+    return saved
+
+
+def checkpointed_layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
+    """What a layer whose sub-modules `s.modules` are checkpointed saves, per token: the rest of
+    `layer_saved`, and each checkpoint's input (the normed hidden state, in the stream dtype:
+    under autocast the checkpoint keeps the norm's output, not the projections' bf16 copy)."""
+    kept = [t for t in layer_saved(shape, s) if t.module not in s.modules]
+    return kept + [
+        Saved(f"{m}: input (kept by its checkpoint)", shape.hidden, stream_bytes(s)) for m in s.modules
+    ]
+
+
+def recomputed_bytes(shape: ModelShape, s: Setting) -> int:
+    """What one checkpointed layer materialises again in backward: all it saves (whole layers),
+    or what its checkpointed sub-modules save."""
+    saved = layer_saved(shape, s)
+    if not s.whole_layers:
+        saved = [t for t in saved if t.module in s.modules]
+    return sum(t.bytes(s.tokens) for t in saved)
+
+
+def model_saved(shape: ModelShape, s: Setting) -> list[Saved]:
+    """What is saved once per model, outside the decoder layers: cos/sin, the final norm and
+    the loss head's per-token tensors (the fused CE's dW is per model: see `head_fixed_bytes`)."""
+    ea, k = compute_bytes(s), s.kernels
+    # cos/sin follow the position ids: one row per sequence position, or per token when packed
+    # rows carry their own; counted per token (the larger).
+    saved = [
+        Saved("input ids (the embedding's backward)", 1, 8),
+        Saved("rope: cos and sin (shared by the layers)", 2 * shape.head_dim, ea),
+    ]
+    head = head_path(s)
+    saved += _norm_saved("final norm", shape, s, "rms_norm" in k, head != "fused")
+    if head == "fused":  # the gradients, computed in the forward
+        saved.append(Saved("loss: fused CE dh", shape.hidden, ea))
+    elif head == "ce":  # the logits' gradient, written over the logits
+        saved.append(Saved("loss: logits' gradient", shape.vocab, ea))
+    elif s.loss_head == "distillation":  # `distillation_token_losses` on the whole batch's logits
+        saved += [
+            Saved("loss: student fp32 log-probabilities (CE)", shape.vocab, 4),
+            Saved("loss: student fp32 log-probabilities at T (divergence)", shape.vocab, 4),
+            Saved("loss: teacher fp32 probabilities (divergence)", shape.vocab, 4),
+            Saved("loss: targets", 1, 8),
+        ]
+    else:  # log_softmax keeps its fp32 output, nll_loss (or the log-probs' gather) the targets
+        saved += [Saved("loss: fp32 log-probabilities", shape.vocab, 4), Saved("loss: targets", 1, 8)]
+    return saved
+
+
+def head_path(s: Setting) -> str:
+    """How the lm_head and the loss run: ``fused`` (our fused linear CE, and for the other
+    objectives its log-prob and distillation kernels: no [tokens × vocab] logits), ``ce`` (our
+    cross entropy on HF's logits: only sft's loss goes through it) or ``eager`` (the logits,
+    then torch's log_softmax: sft without kernels, and the objectives' materialised paths)."""
+    if "fused_linear_cross_entropy" in s.kernels:
+        return "fused"
+    return "ce" if "cross_entropy" in s.kernels and s.loss_head == "causal" else "eager"
+
+
+def head_fixed_bytes(shape: ModelShape, s: Setting) -> int:
+    """The fused CE's lm_head gradient [vocab × hidden], held from the forward to the backward
+    (the fused log-prob and distillation kernels hold theirs the same way)."""
+    if head_path(s) != "fused":
+        return 0
+    return shape.vocab * shape.hidden * compute_bytes(s)
+
+
+def loss_temporary_bytes(shape: ModelShape, s: Setting) -> int:
+    """What the loss head allocates on top of what it saves, at its peak."""
+    n, v, ea = s.tokens, shape.vocab, compute_bytes(s)
+    head = head_path(s)
+    wide = 4 if ea != 4 else 0  # an fp32 dW accumulator over chunks (none for fp32 weights)
+    if head == "fused" and s.loss_head == "distillation" and s.frozen is not None:
+        # `fused_linear_distillation`, inside the teacher's lm_head call: per chunk both models'
+        # logits and its fp32 buffers (the kernel's own count), the fp32 dW accumulator it always
+        # allocates, and the teacher's final hidden states (its lm_head's input).
+        rows = chunk_rows(n, v, 4 * DISTILL_BUFFERS, DEFAULT_MEMORY_BUDGET_BYTES)
+        return (
+            rows * v * (4 * DISTILL_BUFFERS + 2 * ea)
+            + v * shape.hidden * wide
+            + (n * s.frozen.hidden * stream_bytes(s))
+        )
+    if head == "fused" and s.loss_head == "pairs":
+        # `pair_sequence_loss`: chunks of whole pairs (at least one, 2 × seq_len rows, whatever
+        # the budget), and the fp32 dW accumulator when there are several chunks.
+        pair_rows = s.rows_per_sample * s.seq_len
+        pairs = chunk_rows(s.micro_batch_size, pair_rows * v, ea, DEFAULT_MEMORY_BUDGET_BYTES)
+        accumulator = v * shape.hidden * wide if pairs < s.micro_batch_size else 0
+        return pairs * pair_rows * v * ea + accumulator
+    if head == "fused":
+        rows = sweep_rows(
+            n, v, shape.hidden, ea, DEFAULT_MEMORY_BUDGET_BYTES, accumulator_bytes=wide, weight_bytes=ea
+        )
+        accumulator = shape.vocab * shape.hidden * wide if rows < n else 0
+        return rows * v * ea + accumulator
+    if head == "ce":  # the logits (then their gradient in place) and the fp32 row stats
+        return n * 8
+    if s.loss_head == "distillation":
+        # On top of the three saved fp32 tensors, in `distillation_token_losses`' forward: both
+        # models' logits, their fp32 copies (none in fp32), the teacher's log-probabilities, and
+        # the divergence's difference and product.
+        return n * v * (2 * ea + (8 if ea != 4 else 0) + 12)
+    # On top of the saved fp32 log-probabilities, at log_softmax's backward: their gradient and
+    # the logits' fp32 gradient. The logits in the compute dtype are gone by then (nothing saves
+    # them), and the gradient's compute-dtype copy is made after the two fp32 inputs of that
+    # backward are freed. Counting a compute-dtype [N, V] on top over-predicted every measured
+    # eager peak by exactly that tensor (1B bs8 and bs4-full on an H100, a 4-layer model).
+    return n * v * 8
+
+
+def layer_backward_bytes(shape: ModelShape, s: Setting) -> int:
+    """Working set of one decoder layer's backward: gradients of its largest activations."""
+    ea = compute_bytes(s)
+    gated = 1 if {"swiglu", "geglu"} & s.kernels else 2  # the fused kernel overwrites gate/up
+    return s.tokens * (gated * shape.intermediate + 4 * shape.hidden) * ea
+
+
+def activation_bytes(shape: ModelShape, s: Setting) -> dict[str, int]:
+    """Saved activations on the GPU at the end of the forward, by part. Offloaded layers count
+    as two of the largest one: when the loss is computed the last layer's tensors are still
+    referenced, and the layer before it is held until its device→host copy is done
+    (`ligertune.training.transforms.offload`). The copies run at PCIe speed, slower than a layer's
+    forward, so that copy is still in flight: counting one layer under-predicted the measured
+    1B peak on an H100 by 10.0%, one layer's tensors."""
+    n = s.tokens
+    checkpointed = checkpointed_layers(shape.layers, s)
+    plain = shape.layers - checkpointed
+    parts = {}
+    kept: list[tuple[str, int]] = []  # (what, bytes per layer) of the layers that keep activations
+    if checkpointed and s.whole_layers:
+        parts[f"{checkpointed} checkpointed layers (their inputs)"] = (
+            checkpointed * n * shape.hidden * stream_bytes(s)
+        )
+    elif checkpointed:
+        each = sum(t.bytes(n) for t in checkpointed_layer_saved(shape, s))
+        kept.append(
+            (f"{checkpointed} layers recomputing {', '.join(s.modules)} × {each / GIB:.2f} GiB", each)
+        )
+        parts[kept[-1][0]] = checkpointed * each
+    if plain:
+        each = layer_activation_bytes(shape, s)
+        kept.append((f"{plain} layers × {each / GIB:.2f} GiB", each))
+        parts[kept[-1][0]] = plain * each
+    if s.offload and kept:
+        for what, _ in kept:
+            del parts[what]
+        parts[f"{' and '.join(what for what, _ in kept)} (offloaded to CPU: two on the GPU at a time)"] = (
+            2 * max(each for _, each in kept)
+        )
+    parts["outside the layers (cos/sin, final norm, loss)"] = sum(t.bytes(n) for t in model_saved(shape, s))
+    fixed = head_fixed_bytes(shape, s)
+    if fixed:
+        parts["fused CE: lm_head gradient"] = fixed
+    return parts
+
+
+def layer_activation_bytes(shape: ModelShape, s: Setting) -> int:
+    """What one decoder layer not checkpointed saves."""
+    return sum(t.bytes(s.tokens) for t in layer_saved(shape, s))

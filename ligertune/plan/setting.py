@@ -1,0 +1,134 @@
+"""The terms of a memory estimate: one way to run a recipe (`Setting`), one tensor autograd saves
+(`Saved`), the result (`Breakdown`), and the dtypes they are counted in."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ligertune.catalog.shape import ModelShape
+from ligertune.catalog.strategies import ParallelOptions, SingleProcess
+from ligertune.catalog.strategies.base import WEIGHT_BYTES
+
+GIB = 2**30
+# Part of the GPU left free when deciding "fits": the caching allocator's fragmentation, the
+# CUDA context and library workspaces (cuBLAS, NCCL), which are not allocated tensors.
+HEADROOM_FRACTION = 0.08
+
+CHECKPOINTING = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One way to run the recipe: what the plan varies, and what it takes from the recipe."""
+
+    micro_batch_size: int
+    seq_len: int
+    checkpointing: str = "none"  # none | selective | full
+    every: int = 2  # selective: every k-th layer is checkpointed
+    modules: tuple[str, ...] = ()  # selective: the sub-module recomputed in those layers (empty: all)
+    offload: bool = False  # activation offload to pinned CPU memory (layers not checkpointed whole)
+    kernels: frozenset[str] = frozenset()
+    precision: str = "bf16"  # bf16 | bf16-mixed | fp32
+    # The recipe's parallel section: the strategy and its options (`ligertune.catalog.strategies`),
+    # whose memory methods say how it spreads the model over the GPUs.
+    parallel: ParallelOptions = field(default_factory=SingleProcess)
+    world_size: int = 1
+    gqa_native: bool = True
+    # Rows of the micro-batch per sample: 2 for preference and kto data, whose micro-batch of B
+    # pairs is a [2B, S] batch (`ligertune.data.preference`), 1 otherwise.
+    rows_per_sample: int = 1
+    # How the objective's loss runs at the lm_head (`ligertune.catalog.objectives.base.LossHead`).
+    loss_head: str = "causal"
+    # A frozen model held for the whole run besides the policy (the objective's `frozen_model`):
+    # its shape and its role (reference or teacher). None: no second model.
+    frozen: ModelShape | None = None
+    frozen_role: str = "reference"
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch on one GPU: every row is ``seq_len`` long, a pair is two
+        rows, and a strategy that splits sequences over ranks leaves each its share."""
+        return self.micro_batch_size * self.rows_per_sample * self.seq_len // self.parallel.sequence_shards()
+
+    @property
+    def whole_layers(self) -> bool:
+        """Whether checkpointed layers are recomputed whole (not one sub-module of each)."""
+        return self.checkpointing == "full" or not self.modules
+
+    def checkpointing_label(self) -> str:
+        """``none``, ``full``, ``selective/k`` or ``selective/k (attention)``."""
+        if self.checkpointing != "selective":
+            return self.checkpointing
+        return f"selective/{self.every}" + (f" ({', '.join(self.modules)})" if self.modules else "")
+
+    def label(self) -> str:
+        return f"micro {self.micro_batch_size}, checkpointing {self.checkpointing_label()}" + (
+            ", offload" if self.offload else ""
+        )
+
+
+def checkpointed_layers(layers: int, s: Setting) -> int:
+    """How many decoder layers are checkpointed (whole, or the sub-module `s.modules` names): all
+    (full), layers 0, k, 2k, ... (selective, transformers' ``every_n_layers``), or none."""
+    if s.checkpointing == "full":
+        return layers
+    return math.ceil(layers / s.every) if s.checkpointing == "selective" else 0
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One tensor autograd saves, per token: elements and bytes per element, and the decoder
+    layer's sub-module whose operations save it (``attention``, ``mlp``; None: the layer's own,
+    as the norms')."""
+
+    name: str
+    per_token: int
+    bytes_per_element: int
+    module: str | None = None
+
+    def bytes(self, tokens: int) -> int:
+        return tokens * self.per_token * self.bytes_per_element
+
+
+@dataclass
+class Breakdown:
+    """Named byte counts per GPU and the predicted peak, with the moment it happens."""
+
+    setting: Setting
+    states: dict[str, int] = field(default_factory=dict)
+    activations: dict[str, int] = field(default_factory=dict)
+    temporaries: dict[str, int] = field(default_factory=dict)
+    moments: dict[str, int] = field(default_factory=dict)  # the candidate peaks
+
+    @property
+    def peak(self) -> int:
+        return max(self.moments.values())
+
+    @property
+    def peak_moment(self) -> str:
+        return max(self.moments, key=self.moments.get)
+
+    def fits(self, gpu_bytes: int, headroom: float = HEADROOM_FRACTION) -> bool:
+        return self.peak <= gpu_bytes * (1 - headroom)
+
+
+def compute_bytes(s: Setting) -> int:
+    """Bytes per element of matmul outputs (bf16 unless fp32)."""
+    return 4 if s.precision == "fp32" else 2
+
+
+def stream_bytes(s: Setting) -> int:
+    """Bytes per element of the residual stream between layers: fp32 for fp32, and for
+    bf16-mixed where autocast alone casts (not where the strategy computes on bf16 copies of
+    the parameters); bf16 otherwise."""
+    if s.precision == "fp32":
+        return 4
+    if s.precision == "bf16-mixed":
+        return 2 if s.parallel.bf16_parameters(s.precision) else 4
+    return 2
+
+
+def weight_bytes(s: Setting) -> int:
+    """Bytes per element of the parameters as the optimizer holds them (before sharding)."""
+    return WEIGHT_BYTES[s.precision]

@@ -1,0 +1,219 @@
+"""The ordered list of model transforms: what happens to the built model before it is wrapped.
+
+    build_model → attention → kernels → plugins → lora → fp8 → activation checkpointing → compile → runtime.wrap
+
+Each `ModelTransform` says when it applies and what it does; `apply_transforms` runs them in
+`TRANSFORMS` order and returns the model (a transform may return a new one, as an adapter
+library wraps the model it is given) and, per transform that ran, what it reports for the run
+log (the kernels' `PatchReport`, the plugins applied). The order is
+the point: our kernels look for Hugging Face's own module types, so they go first; a plugin
+sees the patched model; checkpointing and compilation must see the final modules; the
+strategy's wrapper (DDP, FSDP2, DeepSpeed), which also builds the optimizer, comes last.
+
+Plugins (``plugins:`` in the recipe) are the extension point for anything else a user wants
+done to the model: a list of ``"module:function"`` names (or a built-in short name, see
+`BUILTIN_PLUGINS`), each called as ``function(model, recipe)`` and returning the model to go on
+with (or None: modified in place). ``liger`` applies Liger-Kernel's own instance patch, which
+is how the benchmarks put the peer library through our loop.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from ligertune.catalog.rules import runs_on_cuda
+from ligertune.config import Recipe
+from ligertune.errors import RecipeError
+from ligertune.lora import apply_lora
+from ligertune.models.attention import choose_attention, install_document_mask
+from ligertune.models.build import decoder_layers
+from ligertune.patching import PatchReport, patch_model
+from ligertune.patching.liger import apply_liger
+from ligertune.training.transforms.checkpointing import checkpoint_submodules
+from ligertune.training.transforms.offload import install_offload
+
+# The built-in plugins (`ligertune.catalog.section.BUILTIN_PLUGINS` names them for the recipe rules).
+BUILTIN_PLUGINS: dict[str, Callable] = {"liger": apply_liger}
+
+
+@dataclass(frozen=True)
+class ModelTransform:
+    name: str
+    applies: Callable[[Recipe], bool]
+    # → (the model to go on with, what to report in the run log or None)
+    apply: Callable[[nn.Module, Recipe], tuple[nn.Module, object | None]]
+
+
+def _attention(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
+    """Reports the backend `build_model` chose; for packed rows, installs the document mask
+    (`ligertune.models.attention`), a forward pre-hook on the causal LM that every later
+    transform and wrapper leaves in place."""
+    # The run's device, not the parameters' (a sharded init builds the model on the meta device).
+    _, why = choose_attention(recipe.model.attn_implementation, runs_on_cuda(recipe), recipe.data.packing)
+    report = f"attention: {model.config._attn_implementation} ({why})"
+    if recipe.data.packing:
+        report += f"; {install_document_mask(model)}"
+    return model, report
+
+
+def _kernels(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, PatchReport]:
+    return model, patch_model(model, recipe.kernels)
+
+
+def plugin_function(name: str) -> Callable:
+    """The callable a ``plugins`` entry names; RecipeError naming the entry otherwise."""
+    if name in BUILTIN_PLUGINS:
+        return BUILTIN_PLUGINS[name]
+    module_name, _, function_name = name.partition(":")
+    try:
+        function = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as e:
+        raise RecipeError([f"plugins: cannot load {name!r}: {type(e).__name__}: {e}"]) from None
+    if not callable(function):
+        raise RecipeError([f"plugins: {name!r} is not callable"])
+    return function
+
+
+def _plugins(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
+    for name in recipe.plugins:
+        returned = plugin_function(name)(model, recipe)
+        model = model if returned is None else returned
+    return model, f"plugins applied: {', '.join(recipe.plugins)}"
+
+
+def _lora(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
+    """peft LoRA adapters (`ligertune.lora.apply_lora`); returns the peft model. After the kernels
+    and plugins: they find Hugging Face's module classes and patch forwards, and our patched MLP
+    and loss forwards call the projections and the lm_head as modules, so they call the LoRA
+    layers peft puts there (the other order would leave the kernels looking for nn.Linear layers
+    that are gone). Before checkpointing and compile, which must see the final modules, and
+    before wrap, whose FSDP2 units then hold frozen base weights and trainable adapters together
+    and whose optimizer gets the adapters only (`build_optimizer` takes what requires grad)."""
+    return apply_lora(model, recipe)
+
+
+def fp8_layers(model: nn.Module) -> tuple[set[nn.Module], int]:
+    """The linear layers FP8 is applied to, and how many decoder-layer linears are left out.
+
+    Only the decoder layers' projections: the loss head stays in the model's precision (the
+    fused linear cross entropy reads ``lm_head.weight`` itself, and the logits' precision
+    matters most to the loss), and FP8 matmuls need both dimensions divisible by 16."""
+    chosen, left_out = set(), 0
+    for layer in decoder_layers(model):
+        for module in layer.modules():
+            if isinstance(module, nn.Linear):
+                if module.in_features % 16 == 0 and module.out_features % 16 == 0:
+                    chosen.add(module)
+                else:
+                    left_out += 1
+    return chosen, left_out
+
+
+def _fp8(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
+    """torchao's float8 training: each chosen ``nn.Linear`` becomes a ``Float8Linear`` that casts
+    its input, weight and output gradient to float8 with the recipe's scaling (``rowwise``: one
+    scale per row, closer to bf16 numerics; ``tensorwise``: one per tensor, faster) and runs
+    ``torch._scaled_mm``. torchao's own choice of the linear layers is replaced by
+    `fp8_layers`. Without ``training.compile`` the casts run as separate kernels and eat the
+    gain, which the log says."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    chosen, left_out = fp8_layers(model)
+    names = {id(m) for m in chosen}
+    convert_to_float8_training(
+        model,
+        config=Float8LinearConfig.from_recipe_name(recipe.training.fp8),
+        module_filter_fn=lambda module, fqn: id(module) in names,
+    )
+    report = f"fp8 ({recipe.training.fp8} scaling): {len(chosen)} linear layers of the decoder layers"
+    if left_out:
+        report += f"; {left_out} with a dimension not divisible by 16 stay in {recipe.training.precision}"
+    if not recipe.training.compile:
+        report += "; without training.compile the float8 casts run eagerly and cost more than they save"
+    return model, report
+
+
+def _activation_checkpointing(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str | None]:
+    """``training.activation_checkpointing`` full (every decoder layer) or selective (layers 0, k,
+    2k, ...): whole layers through transformers' ``every_n_layers``, or, with
+    ``activation_checkpointing_modules``, only that sub-module of each
+    (`ligertune.training.transforms.checkpointing`). Then ``training.activation_offload`` on the
+    layers not checkpointed whole (`ligertune.training.transforms.offload`). ``auto`` is resolved by
+    the trainer's setup (`ligertune.training.auto`); met here unresolved, it reads as none."""
+    training = recipe.training
+    mode = training.activation_checkpointing
+    modules = training.activation_checkpointing_modules  # only with selective (a recipe rule)
+    done = []
+    if mode in ("full", "selective"):
+        every = training.activation_checkpointing_every if mode == "selective" else 1
+        layers = decoder_layers(model)
+        if modules:
+            count = checkpoint_submodules(layers, modules, every)
+            done.append(
+                f"activation checkpointing selective: {', '.join(modules)} recomputed in {count} of "
+                f"{len(layers)} decoder layers"
+            )
+        else:
+            if not model.supports_gradient_checkpointing:
+                raise RecipeError(
+                    [
+                        f"training.activation_checkpointing: {type(model).__name__} does not support it; set it to none"
+                    ]
+                )
+            # Non-reentrant checkpointing works with inputs that need no grad, with kwargs and with
+            # torch.compile; the reentrant variant does not.
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=every
+            )
+            checkpointed = sum(bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers)
+            done.append(f"activation checkpointing {mode}: {checkpointed} of {len(layers)} decoder layers")
+    if training.activation_offload:
+        if next(model.parameters()).device.type != "cuda":
+            done.append("activation offload: nothing to offload on CPU (no-op)")
+        else:
+            count = install_offload(decoder_layers(model))
+            done.append(f"activation offload to pinned CPU memory on a side stream: {count} decoder layers")
+    return model, "; ".join(done) if done else None
+
+
+def _compile(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, None]:
+    # Compiling each layer in place (not the whole model) keeps state-dict names unchanged,
+    # compiles one graph reused by every layer, and leaves the loss head (where the fused
+    # linear cross entropy lives) to its own kernels.
+    for layer in decoder_layers(model):
+        layer.compile()
+    return model, None
+
+
+TRANSFORMS: tuple[ModelTransform, ...] = (
+    ModelTransform("attention", lambda r: True, _attention),
+    ModelTransform("kernels", lambda r: bool(r.kernels.enabled()), _kernels),
+    ModelTransform("plugins", lambda r: bool(r.plugins), _plugins),
+    ModelTransform("lora", lambda r: r.lora is not None, _lora),
+    ModelTransform("fp8", lambda r: r.training.fp8 != "none", _fp8),
+    ModelTransform(
+        "activation_checkpointing",
+        lambda r: (
+            r.training.activation_checkpointing in ("full", "selective") or r.training.activation_offload
+        ),
+        _activation_checkpointing,
+    ),
+    ModelTransform("compile", lambda r: r.training.compile, _compile),
+)
+
+
+def apply_transforms(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, dict[str, object]]:
+    """Every transform that applies to this recipe, in order. Returns the model, in train mode,
+    and {transform name: what it reports} for those that report something."""
+    reports = {}
+    for transform in TRANSFORMS:
+        if transform.applies(recipe):
+            model, report = transform.apply(model, recipe)
+            if report is not None:
+                reports[transform.name] = report
+    model.train()
+    return model, reports
