@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Speed at scale: the Llama-3-8B shape under FSDP2 on every GPU of one host (4 × H100 or H200),
+# one device call per part, each under 10 minutes:
+#
+#   source .whl/install.sh && OUT=out PART=diag bash scripts/gpu_scale.sh
+#   source .whl/install.sh && OUT=out PART=table bash scripts/gpu_scale.sh
+#
+# PART=diag   where the time goes: profile_step of ligertune and ligertune-compile at the recipe's
+#             setting (full activation checkpointing, 4 × 2048 per GPU), with dynamo's recompile and
+#             graph-break log counted per rank; then e2e_bench without checkpointing at 4 × 2048 per
+#             GPU of ours as it is, with parallel.fsdp.prefetch=2, with parallel.fsdp.reduce_dtype=bf16,
+#             and with compile.
+# PART=table  each provider at its own best setting that fits (e2e_bench): eager, Liger, ours, ours +
+#             compile, ours + compile + FP8 (and HF + compile + FP8, the FP8 loss control).
+#
+# Every arm: STEPS steps (default 8), the first WARMUP (3) left out of the rates, at most
+# ARM_TIMEOUT_S (170 s); arms that would start after BUDGET_S (480 s) are skipped. Results under
+# $OUT: summary.md (printed last) and results.tar.gz (every arm's log, metrics, profile).
+set -uo pipefail
+source "$(dirname "$0")/report_header.sh"
+
+: "${OUT:?set OUT to the folder for the results}"
+: "${PART:?set PART to diag or table}"
+PYTHON=${PYTHON:-python3}
+STEPS=${STEPS:-8}
+WARMUP=${WARMUP:-3}
+ARM_TIMEOUT_S=${ARM_TIMEOUT_S:-170}
+BUDGET_S=${BUDGET_S:-480}
+RECIPE=recipes/llama3-8b-alpaca-bench.yaml
+WORK=$(mktemp -d)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
+start=$(date +%s)
+gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
+left() { local l=$((BUDGET_S - ($(date +%s) - start))); echo $((l > 0 ? l : 0)); }
+
+# bench NAME PROVIDERS [overrides...]: one e2e_bench table on every GPU.
+bench() {
+  local name=$1 providers=$2
+  shift 2
+  "$PYTHON" scripts/e2e_bench.py "$RECIPE" --nproc-per-node "$gpus" --steps "$STEPS" --warmup "$WARMUP" \
+    --providers "$providers" parallel.strategy=fsdp "$@" --timeout "$ARM_TIMEOUT_S" --time-budget "$(left)" \
+    --out "$WORK/$name" > "$WORK/$name.log" 2>&1
+  echo "$name: exit $? ($(( $(date +%s) - start )) s)"
+}
+
+tables=()
+if [[ $PART == diag ]]; then
+  TORCH_LOGS=recompiles,graph_breaks timeout --signal=INT --kill-after=20 240 \
+    "$PYTHON" scripts/profile_step.py "$RECIPE" parallel.strategy=fsdp --nproc-per-node "$gpus" \
+    --providers ligertune,ligertune-compile --wait 2 --active 2 --out "$WORK/profile" > "$WORK/profile.log" 2>&1
+  echo "profile: exit $? ($(( $(date +%s) - start )) s)"
+  no_ckpt=(training.activation_checkpointing=none training.micro_batch_size=4)
+  bench ours ligertune "${no_ckpt[@]}"
+  bench prefetch2 ligertune "${no_ckpt[@]}" parallel.fsdp.prefetch=2
+  bench reduce-bf16 ligertune "${no_ckpt[@]}" parallel.fsdp.reduce_dtype=bf16
+  bench compile ligertune-compile "${no_ckpt[@]}"
+  tables=(ours prefetch2 reduce-bf16 compile)
+else
+  bench table eager,liger,ligertune,ligertune-compile,ligertune-compile-fp8,eager-compile-fp8 \
+    training.activation_checkpointing=auto training.micro_batch_size=auto
+  tables=(table)
+fi
+
+{
+  report_header "Speed at scale, part $PART"
+  if [[ -f $WORK/profile.log ]]; then
+    echo "## profiles (full checkpointing, 4 × 2048 per GPU)"; echo
+    cat "$WORK"/profile/*.md 2>/dev/null || tail -n 30 "$WORK/profile.log"
+    echo; echo "dynamo, all ranks: $(grep -c '\[__recompiles\] Recompiling' "$WORK/profile.log") recompiles, \
+$(grep -c '\[__graph_breaks\]' "$WORK/profile.log") graph-break log lines"
+    grep -A3 '\[__recompiles\] Recompiling' "$WORK/profile.log" | grep -E 'rank0.*- ' | sort | uniq -c | head -20
+    grep '\[__graph_breaks\]' "$WORK/profile.log" | grep rank0 | sed 's/.*\[__graph_breaks\]//' | sort | uniq -c | sort -rn | head -20
+  fi
+  for name in "${tables[@]}"; do
+    echo; echo "## $name"; echo
+    cat "$WORK/$name/e2e.md" 2>/dev/null || { echo "no table; log tail:"; tail -n 20 "$WORK/$name.log"; }
+  done
+  echo; echo "total: $(( $(date +%s) - start )) s"
+} > "$OUT/summary.md"
+tar -czf "$OUT/results.tar.gz" -C "$WORK" --exclude='random-tokens.jsonl' --exclude='*.pt' --exclude='dcp' .
+cat "$OUT/summary.md"
