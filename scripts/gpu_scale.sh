@@ -10,8 +10,9 @@
 #             graph-break log counted per rank; then e2e_bench without checkpointing at 4 × 2048 per
 #             GPU of ours as it is, with parallel.fsdp.prefetch=2, with parallel.fsdp.reduce_dtype=bf16,
 #             and with compile.
-# PART=table  each provider at its own best setting that fits (e2e_bench): eager, Liger, ours, ours +
-#             compile, ours + compile + FP8 (and HF + compile + FP8, the FP8 loss control).
+# PART=table  each provider at its own best setting that fits (e2e_bench, auto checkpointing and
+#             micro-batch): eager, Liger, ours, ours + compile, ours + compile + FP8 tensorwise (its
+#             weights all-gathered in float8) and rowwise, and HF + compile + FP8 (the FP8 loss control).
 #
 # Every arm: STEPS steps (default 8), the first WARMUP (3) left out of the rates, at most
 # ARM_TIMEOUT_S (170 s); arms that would start after BUDGET_S (480 s) are skipped. Results under
@@ -57,7 +58,7 @@ if [[ $PART == diag ]]; then
   bench compile ligertune-compile "${no_ckpt[@]}"
   tables=(ours prefetch2 reduce-bf16 compile)
 else
-  bench table eager,liger,ligertune,ligertune-compile,ligertune-compile-fp8,eager-compile-fp8 \
+  bench table eager,liger,ligertune,ligertune-compile,ligertune-compile-fp8-tensorwise,ligertune-compile-fp8,eager-compile-fp8 \
     training.activation_checkpointing=auto training.micro_batch_size=auto
   tables=(table)
 fi

@@ -40,6 +40,28 @@ def test_the_transform_converts_them_and_says_so(tmp_path):
     assert "without training.compile" in reports["fp8"]
 
 
+@pytest.mark.parametrize(("scaling", "strategy", "gathered"), [
+    ("tensorwise", "fsdp", True), ("rowwise", "fsdp", False), ("tensorwise", "ddp", False),
+])  # fmt: skip
+def test_tensorwise_fp8_is_all_gathered_in_float8_where_the_strategy_can(
+    tmp_path, scaling, strategy, gathered
+):
+    """Under FSDP2 with tensorwise scales the layers' weights are gathered in float8 (one scale
+    per weight suits a shard); rowwise scales and DDP (no gather) keep the bf16 path."""
+    overrides = [
+        *CPU_RUN,
+        f"training.fp8={scaling}",
+        f"parallel.strategy={strategy}",
+        f"output_dir={tmp_path}",
+    ]
+    model, reports = apply_transforms(
+        tiny_llama(vocab_size=256, hidden_size=64, intermediate_size=128), load_recipe(QUICKSTART, overrides)
+    )
+    flags = {m.config.enable_fsdp_float8_all_gather for m in model.modules() if isinstance(m, Float8Linear)}
+    assert flags == {gathered}
+    assert ("all-gathered in float8 by FSDP2" in reports["fp8"]) is gathered
+
+
 def test_a_short_run_with_fp8_follows_the_run_without(tmp_path):
     steps = ["training.max_steps=6", "training.lr=1e-3"]
     plain = train(load_recipe(QUICKSTART, [*CPU_RUN, *steps, f"output_dir={tmp_path / 'plain'}"]))

@@ -53,6 +53,10 @@ PROVIDERS: dict[str, Provider] = {
     ),  # ours without the packed-row backend
     "ligertune-compile": Provider(DEFAULT_KERNELS, ("training.compile=true",)),
     "ligertune-compile-fp8": Provider(DEFAULT_KERNELS, ("training.compile=true", "training.fp8=rowwise")),
+    # tensorwise scales: under FSDP2 the weights are also all-gathered in float8
+    "ligertune-compile-fp8-tensorwise": Provider(
+        DEFAULT_KERNELS, ("training.compile=true", "training.fp8=tensorwise")
+    ),
     # FP8 without our kernels: whether a loss difference comes from FP8 itself or from us.
     "eager-compile-fp8": Provider(
         (), ("training.compile=true", "training.fp8=rowwise"), default_attention="sdpa"

@@ -63,6 +63,9 @@ class ParallelOptions(Section):
     # "fp8" (torchao's float8 layers), "bf16 weights" (training.precision bf16).
     unsupported: ClassVar[dict[str, str]] = {}
     package: ClassVar[str | None] = None  # the pip extra (and importable package) it needs
+    # Whether its all-gather can carry the weights of torchao's float8 layers in float8 (with
+    # ``training.fp8: tensorwise``): half the bytes of a bf16 gather.
+    gathers_float8: ClassVar[bool] = False
     rules: ClassVar[tuple[Rule, ...]] = ()
 
     @classmethod

@@ -72,6 +72,7 @@ class FSDPParallel(ParallelOptions):
         "fsdp.mixed_precision": PRECISION_SAVED,
     }
     unsupported: ClassVar[dict[str, str]] = {"quantized": "quantised weights cannot be sharded"}
+    gathers_float8: ClassVar[bool] = True  # torchao's float8 tensors implement FSDP2's all-gather hooks
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule("parallel.fsdp_cpu_offload_needs_gpu", cpu_offload_needs_gpu, "machine"),
     )

@@ -87,7 +87,8 @@ class TrainingSection(Section):
     fp8: Literal["none", "rowwise", "tensorwise"] = Field(
         "none",
         description="FP8 matmuls in the decoder layers' linear layers through torchao (pip install "
-        "'ligertune[fp8]'; pays with compile: true on an H100/H200): rowwise or tensorwise scaling.",
+        "'ligertune[fp8]'; pays with compile: true on an H100/H200): rowwise or tensorwise scaling "
+        "(tensorwise under fsdp also all-gathers the weights in float8).",
     )
     eval_every: int | None = Field(None, gt=0, description="Evaluate on the validation split every N steps.")
     eval_max_batches: int | None = Field(None, gt=0, description="Cap the batches per evaluation.")

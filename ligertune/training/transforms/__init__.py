@@ -19,6 +19,7 @@ is how the benchmarks put the peer library through our loop.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,18 +119,23 @@ def _fp8(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
     its input, weight and output gradient to float8 with the recipe's scaling (``rowwise``: one
     scale per row, closer to bf16 numerics; ``tensorwise``: one per tensor, faster) and runs
     ``torch._scaled_mm``. torchao's own choice of the linear layers is replaced by
-    `fp8_layers`. Without ``training.compile`` the casts run as separate kernels and eat the
+    `fp8_layers`. With tensorwise scaling under a strategy whose all-gather carries float8
+    (FSDP2), the weights are gathered in float8 (torchao's ``enable_fsdp_float8_all_gather``). Without ``training.compile`` the casts run as separate kernels and eat the
     gain, which the log says."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     chosen, left_out = fp8_layers(model)
     names = {id(m) for m in chosen}
-    convert_to_float8_training(
-        model,
-        config=Float8LinearConfig.from_recipe_name(recipe.training.fp8),
-        module_filter_fn=lambda module, fqn: id(module) in names,
-    )
+    config = Float8LinearConfig.from_recipe_name(recipe.training.fp8)
+    # Tensorwise scales are one per weight, so a sharded weight can be cast to float8 before its
+    # all-gather (each rank's shard with the whole weight's scale) and gathered in half the bytes.
+    gather = recipe.training.fp8 == "tensorwise" and recipe.parallel.gathers_float8
+    if gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: id(module) in names)
     report = f"fp8 ({recipe.training.fp8} scaling): {len(chosen)} linear layers of the decoder layers"
+    if gather:
+        report += f", all-gathered in float8 by {recipe.parallel.label}"
     if left_out:
         report += f"; {left_out} with a dimension not divisible by 16 stay in {recipe.training.precision}"
     if not recipe.training.compile:
