@@ -10,6 +10,7 @@
 #             graph-break log counted per rank; then e2e_bench without checkpointing at 4 × 2048 per
 #             GPU of ours as it is, with parallel.fsdp.prefetch=2, with parallel.fsdp.reduce_dtype=bf16,
 #             and with compile.
+# PART=rest   Liger and eager at their best settings, and ZeRO-3 (defaults, larger buckets, Liger).
 # PART=table  each provider at its own best setting that fits (e2e_bench, auto checkpointing and
 #             micro-batch): eager, Liger, ours, ours + compile, ours + compile + FP8 tensorwise (its
 #             weights all-gathered in float8) and rowwise, and HF + compile + FP8 (the FP8 loss control).
@@ -21,7 +22,7 @@ set -uo pipefail
 source "$(dirname "$0")/report_header.sh"
 
 : "${OUT:?set OUT to the folder for the results}"
-: "${PART:?set PART to diag or table}"
+: "${PART:?set PART to diag, table or rest}"
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-3}
@@ -57,6 +58,17 @@ if [[ $PART == diag ]]; then
   bench reduce-bf16 ligertune "${no_ckpt[@]}" parallel.fsdp.reduce_dtype=bf16
   bench compile ligertune-compile "${no_ckpt[@]}"
   tables=(ours prefetch2 reduce-bf16 compile)
+elif [[ $PART == rest ]]; then
+  # The providers whose own best setting auto cannot plan (Liger's kernels are a plugin the plan
+  # does not count), and ZeRO-3 at the recipe's setting, DeepSpeed's defaults against larger
+  # prefetch and reduce buckets (scripts/ds_zero3_prefetch.json).
+  bench liger-best liger training.activation_checkpointing=none training.micro_batch_size=4
+  bench eager-best eager training.activation_checkpointing=none training.micro_batch_size=2
+  zero3=(parallel.strategy=deepspeed parallel.deepspeed.zero_stage=3)
+  bench zero3 ligertune "${zero3[@]}"
+  bench zero3-buckets ligertune "${zero3[@]}" parallel.deepspeed.config=scripts/ds_zero3_prefetch.json
+  bench zero3-liger liger "${zero3[@]}"
+  tables=(liger-best eager-best zero3 zero3-buckets zero3-liger)
 else
   bench table eager,liger,ligertune,ligertune-compile,ligertune-compile-fp8-tensorwise,ligertune-compile-fp8,eager-compile-fp8 \
     training.activation_checkpointing=auto training.micro_batch_size=auto
