@@ -14,6 +14,7 @@ from ligertune.config.deepspeed import deepspeed_config
 from ligertune.distributed.runtime import ProcessGroupRuntime
 from ligertune.errors import RecipeError
 from ligertune.models.build import build_model
+from ligertune.run.safe_load import check_deepspeed_files
 
 
 class DeepSpeedRuntime(ProcessGroupRuntime):
@@ -217,6 +218,8 @@ class DeepSpeedRuntime(ProcessGroupRuntime):
                     f"{checkpoint.world_size} processes, or start over with checkpoint.resume=none"
                 ]
             )
+        # DeepSpeed unpickles its files in full: only files that name nothing but plain data go to it.
+        check_deepspeed_files(checkpoint.path, checkpoint.path / self._TAG)
         loaded, _ = self.engine.load_checkpoint(
             str(checkpoint.path), tag=self._TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )

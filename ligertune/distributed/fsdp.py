@@ -11,6 +11,7 @@ from torch import nn
 from ligertune.config import Recipe
 from ligertune.distributed.runtime import ProcessGroupRuntime, has_frozen_parameters
 from ligertune.models.build import build_model, decoder_layers
+from ligertune.run.safe_load import dcp_load
 
 
 class FSDPRuntime(ProcessGroupRuntime):
@@ -159,7 +160,6 @@ class FSDPRuntime(ProcessGroupRuntime):
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory / "dcp")
 
     def load_state(self, checkpoint, model, optimizer):
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         self._check_format(checkpoint)
@@ -167,7 +167,8 @@ class FSDPRuntime(ProcessGroupRuntime):
         options = _state_options(model)
         model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
         state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=checkpoint.path / "dcp")
+        # Without unpickling: DCP's own reader would run code planted in a copied checkpoint.
+        dcp_load(state, checkpoint.path / "dcp")
         set_state_dict(
             model,
             optimizer,

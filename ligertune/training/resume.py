@@ -86,13 +86,8 @@ def resume_path(recipe: Recipe, manager: CheckpointManager) -> tuple[Path | None
         except ValueError as e:
             raise RecipeError([f"checkpoint.resume: {e}"]) from None
         return path, []
-    passed_over: list[str] = []
-    for candidate in reversed(manager.complete()):
-        try:
-            verify_checkpoint(candidate)
-        except ValueError as e:
-            passed_over.append(f"warning: {e}; passed over it")
-            continue
+    candidate, passed_over = manager.newest_intact()
+    if candidate is not None:
         return candidate, [f"{line}, resuming from {candidate}" for line in passed_over]
     if passed_over:
         raise RecipeError(
