@@ -160,11 +160,19 @@ def test_chat_train_on_inputs_and_messages_field(tok, tmp_path):
     assert labels == [IGNORE] + ids[1:]
 
 
-def test_chat_without_assistant_turn_is_dropped_and_counted(tok, tmp_path):
-    rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:2]}]
-    data = build_datasets(make_recipe(write_jsonl(tmp_path / "c.jsonl", rows), format="chat"), tok)
-    assert len(data.train) == 1 and data.stats.num_dropped == 1
-    assert "1 dropped" in data.report()
+def test_chat_without_assistant_turn_is_refused_with_counts(tok, tmp_path):
+    """Such a row has nothing to train on: refused with the count and the rows (it used to be
+    dropped, and a dataset of them trained on nothing), unless every turn is trained."""
+    rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:2]}, {"messages": CONVERSATION[:1]}]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    with pytest.raises(
+        DataError,
+        match=r"c\.jsonl, row 1: the conversation has no assistant turn, as in 2 of the 3 rows \(.*c\.jsonl, "
+        r"row 2\); there would be nothing to train on in them: remove those rows; or set data\.train_on_inputs",
+    ):
+        build_datasets(make_recipe(path, format="chat"), tok)
+    data = build_datasets(make_recipe(path, format="chat", train_on_inputs=True), tok)
+    assert data.stats.num_samples == 3 and data.stats.num_dropped == 0
 
 
 def test_chat_template_errors_name_the_row(tok, tmp_path):
@@ -437,12 +445,14 @@ def test_validation_fraction_is_seeded_and_disjoint(tok, tmp_path):
 
 
 def test_validation_split_from_a_directory(tok, tmp_path):
-    write_jsonl(tmp_path / "train.jsonl", ALPACA_ROWS)
-    write_jsonl(tmp_path / "validation.jsonl", ALPACA_ROWS[:1])
-    data = build_datasets(make_recipe(tmp_path, validation_split="validation"), tok)
+    folder = tmp_path / "data"  # a folder of data files only (the test's cache is in tmp_path)
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", ALPACA_ROWS)
+    write_jsonl(folder / "validation.jsonl", ALPACA_ROWS[:1])
+    data = build_datasets(make_recipe(folder, validation_split="validation"), tok)
     assert len(data.train) == 3 and len(data.validation) == 1
-    with pytest.raises(DataError, match="cannot load split 'test'"):
-        build_datasets(make_recipe(tmp_path, split="test"), tok)
+    with pytest.raises(DataError, match="no split 'test'; its files make train, validation"):
+        build_datasets(make_recipe(folder, split="test"), tok)
 
 
 def test_parquet_source(tok, tmp_path):

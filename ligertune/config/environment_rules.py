@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ligertune.errors import RecipeError
+from ligertune.models.config import build_config, config_problems
 from ligertune.paths import looks_local
 
 if TYPE_CHECKING:
@@ -91,6 +93,23 @@ def _model_type_known(recipe: Recipe) -> list[str]:
     return []
 
 
+def _config_builds(recipe: Recipe) -> list[str]:
+    """model.config and model.config_overrides build a transformers config with positive sizes (a hub model: at train)."""
+    if recipe.model.name_or_path is not None and not looks_local(recipe.model.name_or_path):
+        return []  # a hub id: its config needs the hub; `validate --check` and `train` build it
+    if _model_type_known(recipe) or _local_model_config(recipe)[2]:
+        return []  # model.type_known has said what is wrong
+    key = "model.config_overrides" if recipe.model.config_overrides else "model.config"
+    try:
+        config = build_config(recipe)
+    except RecipeError as e:
+        return e.problems
+    except Exception as e:  # transformers' validation of the config's fields, in its own words
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return [f"{key}: transformers refuses the config: {lines[-1] if lines else type(e).__name__}"]
+    return config_problems(config, key)
+
+
 # --------------------------------------------------------------------------------------------
 # Machine rules
 # --------------------------------------------------------------------------------------------
@@ -168,6 +187,7 @@ def _flash_attention_on_cuda(recipe: Recipe) -> list[str]:
 # (rule name, phase, check), in the order `ligertune.config.rules` registers them.
 ENVIRONMENT_RULES = [
     ("model.type_known", "model", _model_type_known),
+    ("model.config_builds", "model", _config_builds),
     ("training.device_available", "machine", _device_available),
     ("training.fp32_on_cpu", "machine", _fp32_on_cpu),
     ("parallel.fsdp_cpu_offload_needs_gpu", "machine", _fsdp_offload_needs_gpu),

@@ -39,19 +39,71 @@ class DuplicateKeyError(yaml.YAMLError):
         )
 
 
+class DocumentTooLarge(yaml.YAMLError):
+    """A document that aliases expand into more values than any recipe has (an "alias bomb":
+    a few hundred bytes of nested ``&anchors`` and ``*aliases`` standing for billions of values),
+    or that refers to itself."""
+
+    def __init__(self, problem: str):
+        super().__init__(problem)
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return self.problem
+
+
+# What a recipe may expand to: far above a real one (a few hundred values with a model.config
+# mapping), far below what would take noticeable time or memory to validate, dump or train on.
+MAX_VALUES = 100_000
+# A recipe file is a few KB (a chat template included); a bigger one is not a recipe.
+MAX_RECIPE_BYTES = 1 << 20
+
+
 class RecipeLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` with two changes for recipes.
+    """``yaml.SafeLoader`` with three changes for recipes.
 
     - Duplicate keys are errors (`DuplicateKeyError`, naming the dotted key and both lines),
       checked on the composed node tree before construction, where the parent keys are known.
     - ``2e-5`` and ``1e3`` are floats, as in YAML 1.2 and as people write learning rates. YAML 1.1
       (PyYAML) wants a dot and a signed exponent (``2.0e-5``) and reads ``2e-5`` as a string, which
       the strict schema would then refuse.
+    - The document's size with its aliases expanded is bounded (`MAX_VALUES`; a long string
+      counts once per KiB), and an alias inside what it names is refused (`DocumentTooLarge`).
+      PyYAML builds an alias as a second reference to one object, so loading costs nothing; but
+      everything after it walks the expanded tree (validation, ``validate -f yaml``, the saved
+      recipe.yaml), and 819 bytes of nested anchors made that unbounded. The size is counted on
+      the node graph before construction, each node once (linear in the file's size).
     """
 
     def construct_document(self, node: yaml.Node) -> Any:
         _check_duplicates(node, [], set())
+        if _expanded_size(node, {}, set()) > MAX_VALUES:
+            raise DocumentTooLarge(
+                f"the document expands to more than {MAX_VALUES:,} values through its aliases (*name repeats "
+                "what &name anchors); write the values out, without nested aliases"
+            )
         return super().construct_document(node)
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_: set[int]) -> int:
+    """Values in `node` with every alias expanded, each distinct node counted once (`sizes`)."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise DocumentTooLarge("an alias refers to a mapping or list that contains it; write the values out")
+    open_.add(key)
+    if isinstance(node, yaml.MappingNode):
+        size = 1 + sum(
+            _expanded_size(k, sizes, open_) + _expanded_size(v, sizes, open_) for k, v in node.value
+        )
+    elif isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(item, sizes, open_) for item in node.value)
+    else:
+        size = 1 + len(str(node.value)) // 1024
+    open_.discard(key)
+    sizes[key] = min(size, MAX_VALUES + 1)  # enough to know it is too big; keeps the numbers small
+    return sizes[key]
 
 
 RecipeLoader.add_implicit_resolver(
@@ -95,7 +147,9 @@ def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
         try:
             value = load_yaml(raw) if raw else None
         except yaml.YAMLError as e:
-            raise RecipeError([f"{key}: cannot parse value {raw!r} as YAML ({e.problem})"]) from None
+            raise RecipeError(
+                [f"{key}: cannot parse value {raw[:100]!r} as YAML ({getattr(e, 'problem', e)})"]
+            ) from None
         parsed.append((key.split("."), value))
     return parsed
 
@@ -256,12 +310,12 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
             )
         )
     try:
-        raw = load_yaml(path.read_text(encoding="utf-8"))
+        raw = load_yaml(_read_recipe_text(path))
     except UnicodeDecodeError:
         raise RecipeError(["the file is not UTF-8 text"], str(path)) from None
     except OSError as e:
         raise RecipeError([f"cannot read the recipe file: {e.strerror}"], str(path)) from None
-    except DuplicateKeyError as e:
+    except (DuplicateKeyError, DocumentTooLarge) as e:
         raise RecipeError([str(e)], str(path)) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
@@ -272,6 +326,16 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     if isinstance(raw, dict) and overrides:
         raw = apply_overrides(raw, overrides)
     return validate_recipe(raw, str(path), path.resolve().parent)
+
+
+def _read_recipe_text(path: Path) -> str:
+    """The recipe file's text, at most `MAX_RECIPE_BYTES` read (a device or a huge file named by
+    mistake is refused, not read to its end)."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_RECIPE_BYTES + 1)
+    if len(data) > MAX_RECIPE_BYTES:
+        raise OSError(0, f"it is larger than {MAX_RECIPE_BYTES // 1024} KiB; a recipe is a few KB of YAML")
+    return data.decode("utf-8")
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

@@ -102,7 +102,7 @@ class TrainerSetup:
     def _setup_resume(self) -> None:
         recipe, runtime = self.recipe, self.runtime
         self.checkpoints = CheckpointManager(recipe.run_dir / "checkpoints", recipe.checkpoint.keep_last)
-        self.order = data_order(recipe, runtime.world_size)
+        self.order = data_order(recipe, runtime.world_size, self.datasets.fingerprint)
         self.step, self.epoch, self.batch_index = 0, 0, 0
         self.skipped = 0  # steps skipped in the run (on_nonfinite=skip), carried over by a resume
         self.resume_from, passed_over = resume_path(recipe, self.checkpoints)  # damaged ones passed over
@@ -116,6 +116,7 @@ class TrainerSetup:
                 self.scheduler,
                 recipe,
                 self.total_steps,
+                self.datasets.fingerprint,
             )
             self.step, self.epoch, self.batch_index = resumed.step, resumed.epoch, resumed.batch_index
             self.skipped = resumed.skipped_steps
