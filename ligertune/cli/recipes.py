@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 import re
-import shutil
 from enum import Enum
 from pathlib import Path
 
@@ -20,6 +20,7 @@ from ligertune.cli.common import (
 from ligertune.config import load_recipe, recipe_to_yaml, shipped_recipes
 from ligertune.config.rules import model_problems
 from ligertune.errors import RecipeError
+from ligertune.files import write_new
 
 
 class Format(str, Enum):
@@ -194,17 +195,18 @@ def recipes_cp(
         hint = f"; did you mean {close[0]}?" if close else ""
         _print_error(f"no shipped recipe named {name!r}{hint}")
         raise typer.Exit(2)
-    if dest.is_dir():
+    if dest.is_dir() and not dest.is_symlink():
         dest = dest / source.name
-    if dest.exists():
-        _print_error(f"{dest} exists; not overwriting it")
+    if os.path.lexists(dest):  # a link too, even a dangling one: never written through
+        what = f"is a symbolic link (to {os.readlink(dest)})" if dest.is_symlink() else "exists"
+        _print_error(f"{dest} {what}; not overwriting it")
         raise typer.Exit(2)
     if not dest.parent.is_dir():
         what = "is a file" if dest.parent.exists() else "does not exist"
         _print_error(f"cannot write {dest}: the folder {dest.parent} {what}; create the folder first")
         raise typer.Exit(2)
     try:
-        shutil.copyfile(source, dest)
+        write_new(dest, source.read_bytes())  # O_EXCL | O_NOFOLLOW: nothing there, not even a link
     except OSError as e:
         _print_error(f"cannot write {dest}: {e.strerror}")
         raise typer.Exit(2) from None

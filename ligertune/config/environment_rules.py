@@ -63,6 +63,10 @@ def _unknown_model_type(model_type: str) -> str | None:
     return f"model_type {model_type!r} is not one transformers {transformers.__version__} knows{hint}"
 
 
+def _known_type(model_type: object) -> bool:
+    return isinstance(model_type, str) and _unknown_model_type(model_type) is None
+
+
 def _model_type_known(recipe: Recipe) -> list[str]:
     """The model's model_type is one the installed transformers knows, or its own code is trusted.
 
@@ -97,8 +101,11 @@ def _config_builds(recipe: Recipe) -> list[str]:
     """model.config and model.config_overrides build a transformers config with positive sizes (a hub model: at train)."""
     if recipe.model.name_or_path is not None and not looks_local(recipe.model.name_or_path):
         return []  # a hub id: its config needs the hub; `validate --check` and `train` build it
-    if _model_type_known(recipe) or _local_model_config(recipe)[2]:
+    if _model_type_known(recipe):
         return []  # model.type_known has said what is wrong
+    _, local, _ = _local_model_config(recipe)
+    if local is not None and "auto_map" in local and not _known_type(local.get("model_type")):
+        return []  # its own config class: building it would run the model's code, which train does
     key = "model.config_overrides" if recipe.model.config_overrides else "model.config"
     try:
         config = build_config(recipe)

@@ -382,7 +382,6 @@ def resume(
         saved = load_checkpoint(path, runtime.rank)
     except ValueError as e:
         raise RecipeError([f"checkpoint.resume: {e}"]) from None
-    restart_epoch, data_lines = check_data(saved, data_fingerprint, recipe)
     applied, refused = recipe_changes(
         saved.recipe_yaml,
         recipe,
@@ -393,6 +392,8 @@ def resume(
     )
     if refused:
         raise RecipeError(refused, f"resuming {saved.path}")
+    # After the recipe's keys: a changed key (seed, data.*) is named as such, not as other data.
+    restart_epoch, data_lines = check_data(saved, data_fingerprint, recipe)
     try:
         _load_state(saved, runtime, model, optimizer)
     except DamagedCheckpoint as e:  # a file torch cannot read (a checkpoint without a manifest)
