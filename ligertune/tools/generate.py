@@ -135,7 +135,8 @@ def load_for_generation(
 
 
 def _remote_code_hint(error: Exception, trusted: bool) -> str:
-    if trusted or "trust_remote_code" not in str(error):
+    # transformers' words for a config or tokenizer that names its own code (auto_map).
+    if trusted or not any(words in str(error) for words in ("trust_remote_code", "custom code")):
         return ""
     return "; it needs its own modeling code: pass --trust-remote-code if you trust that code"
 
