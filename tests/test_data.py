@@ -670,3 +670,57 @@ def test_hub_ids_go_through_load_dataset(tok, monkeypatch):
         DataError, match=r"cannot load 'org/offline' from the hub \(ConnectionError: Couldn't reach"
     ):
         build_datasets(make_recipe("org/offline"), tok)
+
+
+# --------------------------------------------------------------------------------------------
+# Text read as text; one set of rules for a file and a directory
+# --------------------------------------------------------------------------------------------
+
+# Outputs that a JSON reader typing columns from their values used to decode again: quoted text
+# lost its quotes, "false" became False and "null" vanished.
+JSON_LOOKING = ['"quoted"', "false", "null", "[1, 2]", "{}", "42", "Saturn"]
+
+
+def _outputs(data, tok) -> list[str]:
+    return [tok.decode(labelled(row)).removesuffix(tok.eos_token) for row in data.train]
+
+
+def test_json_text_is_read_as_the_text_it_is(tok, tmp_path):
+    rows = [{"instruction": "Repeat.", "output": text} for text in JSON_LOOKING]
+    data = build_datasets(make_recipe(write_jsonl(tmp_path / "a.jsonl", rows)), tok)
+    assert _outputs(data, tok) == JSON_LOOKING
+    (tmp_path / "b.json").write_text(json.dumps(rows))  # a JSON list: the same
+    assert _outputs(build_datasets(make_recipe(tmp_path / "b.json"), tok), tok) == JSON_LOOKING
+
+
+def test_csv_fields_are_read_as_text(tok, tmp_path):
+    """pandas would read NA, null and 42 as a missing value and a number."""
+    texts = ["NA", "null", "42", "1e5", "True", "a, with a comma"]
+    lines = ["instruction,output"] + [f'Repeat.,"{text}"' for text in texts]
+    (tmp_path / "a.csv").write_text("\n".join(lines) + "\n")
+    assert _outputs(build_datasets(make_recipe(tmp_path / "a.csv"), tok), tok) == texts
+
+
+def test_a_directory_reads_every_file_with_the_rules_of_a_file(tok, tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", ALPACA_ROWS[:2])
+    write_jsonl(folder / "b.jsonl", [*ALPACA_ROWS[2:], {"instruction": "x", "output": "y", "extra": 5}])
+    data = build_datasets(make_recipe(folder), tok)
+    assert data.stats.num_samples == len(ALPACA_ROWS) + 1  # every file, all its rows
+    # A column typed differently in two typed files is refused (it used to be cast to the first's).
+    import datasets
+
+    typed = tmp_path / "typed"
+    typed.mkdir()
+    datasets.Dataset.from_list(ALPACA_ROWS).to_parquet(str(typed / "a.parquet"))
+    datasets.Dataset.from_list([{"instruction": "x", "input": "", "output": 3}]).to_parquet(
+        str(typed / "b.parquet")
+    )
+    with pytest.raises(DataError, match=r"column output is string in .*a\.parquet but int64 in .*b\.parquet"):
+        build_datasets(make_recipe(typed), tok)
+    # A column one typed file has as nulls only takes the others' type.
+    datasets.Dataset.from_list([{"instruction": "x", "input": None, "output": "y"}]).to_parquet(
+        str(typed / "b.parquet")
+    )
+    assert build_datasets(make_recipe(typed), tok).stats.num_samples == len(ALPACA_ROWS) + 1

@@ -372,12 +372,10 @@ def refuse_empty(mapped: datasets.Dataset, rows: np.ndarray, fmt: str, source: L
     with their count and the first few, by file and row. A dataset of such rows would train on
     end-of-sequence tokens only (or be dropped row by row, silently): refused, as a
     prompt_completion row with an empty completion always was."""
-    empty = np.flatnonzero(mapped.with_format("numpy")["empty"])
+    empty = np.sort(rows[np.flatnonzero(mapped.with_format("numpy")["empty"])])  # in the file's order
     if len(empty) == 0:
         return
-    raise DataError(
-        empty_rows_message([source.where(int(rows[i])) for i in empty[:4]], len(empty), len(rows), fmt)
-    )
+    raise DataError(empty_rows_message([source.where(int(r)) for r in empty[:4]], len(empty), len(rows), fmt))
 
 
 def mix_counts(weights: np.ndarray, total: int) -> list[int]:
