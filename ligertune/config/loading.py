@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from ligertune.config.rules import recipe_problems
 from ligertune.config.schema import KernelsSection, Recipe
-from ligertune.errors import RecipeError
+from ligertune.errors import RecipeError, shown
 from ligertune.paths import RECIPES_DIR, shipped_recipes
 
 
@@ -137,6 +137,12 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - RecipeLoader is a SafeLoader
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's complaint in one line (a reader error's message spans several, with its position)."""
+    text = str(getattr(error, "problem", None) or error).strip()
+    return (text.splitlines() or [type(error).__name__])[0]
+
+
 def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
     """``training.lr=2e-5`` → (["training", "lr"], 2e-05). Values are parsed as YAML."""
     parsed = []
@@ -148,7 +154,7 @@ def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
             value = load_yaml(raw) if raw else None
         except yaml.YAMLError as e:
             raise RecipeError(
-                [f"{key}: cannot parse value {raw[:100]!r} as YAML ({getattr(e, 'problem', e)})"]
+                [f"{key}: cannot parse value {raw[:100]!r} as YAML ({_yaml_problem(e)})"]
             ) from None
         parsed.append((key.split("."), value))
     return parsed
@@ -217,7 +223,9 @@ def _describe_union(loc: tuple, given: Any) -> str:
         else _TYPE_WORDS.get(typing.get_origin(a) or a, getattr(a, "__name__", str(a)))
         for a in typing.get_args(annotation)
     ]
-    return f"{'.'.join(str(p) for p in loc)}: got {given!r}; expected {', '.join(words[:-1])} or {words[-1]}"
+    return (
+        f"{'.'.join(shown(p) for p in loc)}: got {given!r}; expected {', '.join(words[:-1])} or {words[-1]}"
+    )
 
 
 def describe_errors(errors: list[dict]) -> list[str]:
@@ -244,14 +252,18 @@ def describe_errors(errors: list[dict]) -> list[str]:
 
 def _describe_error(err: dict) -> str:
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-after")))
-    dotted = ".".join(str(p) for p in loc) or "recipe"
+    dotted = ".".join(shown(p) for p in loc) or "recipe"
     kind = err["type"]
     given = err.get("input")
     if kind == "extra_forbidden":
         parent = _model_at(loc[:-1])
         valid = list(parent.model_fields) if parent else []
-        close = difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
-        prefix = ".".join(str(p) for p in loc[:-1])
+        close = (
+            difflib.get_close_matches(str(loc[-1]), valid, n=1, cutoff=0.6)
+            if str(loc[-1]).isprintable()
+            else []
+        )
+        prefix = ".".join(shown(p) for p in loc[:-1])
         hint = f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else ""
         return f"{dotted}: unknown key{hint} (valid keys here: {', '.join(valid)})"
     if kind == "missing":
@@ -320,7 +332,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError([f"not valid YAML{where}: {getattr(e, 'problem', e)}"], str(path)) from None
+        raise RecipeError([f"not valid YAML{where}: {_yaml_problem(e)}"], str(path)) from None
     if raw is None:
         raw = {}
     if isinstance(raw, dict) and overrides:

@@ -13,7 +13,7 @@ import difflib
 import re
 from typing import TYPE_CHECKING, Any
 
-from ligertune.errors import RecipeError
+from ligertune.errors import RecipeError, shown
 from ligertune.models.architectures import SHIPPED_CONFIGS
 from ligertune.paths import looks_local
 
@@ -60,7 +60,7 @@ def _unknown_keys_problem(unknown: list[str], known: list[str]) -> str:
     hints = []
     for key in unknown:
         close = difflib.get_close_matches(key, known, n=1)
-        hints.append(f"{key} (did you mean {close[0]}?)" if close else key)
+        hints.append(f"{shown(key)} (did you mean {close[0]}?)" if close else shown(key))
     return (
         f"model.config_overrides: not a field of this architecture's config: {', '.join(hints)}; "
         f"known fields: {', '.join(sorted(k for k in known if not k.startswith('_')))}"
