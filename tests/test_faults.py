@@ -614,16 +614,19 @@ def test_links_planted_mid_run_are_never_followed(tmp_path):
 # -- read-only output_dir mid-run ---------------------------------------------------------------
 
 
-def _read_only_now(folder: Path) -> None:
-    """Make `folder` refuse new files: a read-only bind mount over itself as root (chmod does not
-    stop root), a chmod otherwise. Files already open stay writable, as on a real remount."""
-    if os.geteuid() == 0:
+def _read_only_now(folder: Path, read_only: bool = True) -> None:
+    """Make `folder` refuse new files (or accept them again): a read-only bind mount over itself
+    as root (chmod does not stop root), a chmod of its folders otherwise. Files already open stay
+    writable, as on a real remount."""
+    if os.geteuid() == 0 and read_only:
         subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
         subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+    elif os.geteuid() == 0:
+        subprocess.run(["umount", str(folder)], capture_output=True)
     else:
         for path in [folder, *folder.rglob("*")]:
             if path.is_dir():
-                path.chmod(0o555)
+                path.chmod(0o555 if read_only else 0o755)
 
 
 def read_only_after_step_3(model, recipe) -> None:
@@ -649,12 +652,7 @@ def writable_again(tmp_path):
             pytest.skip("no bind mounts here (root without CAP_SYS_ADMIN): cannot make a folder read-only")
         subprocess.run(["umount", str(probe)], check=True)
     yield run_dir
-    if os.geteuid() == 0:
-        subprocess.run(["umount", str(run_dir)], capture_output=True)
-    else:
-        for path in [run_dir, *run_dir.rglob("*")]:
-            if path.is_dir():
-                path.chmod(0o755)
+    _read_only_now(run_dir, read_only=False)  # a no-op when the test did it already
 
 
 def test_an_output_dir_made_read_only_mid_run_is_one_line_and_resumes(writable_again):
@@ -666,12 +664,7 @@ def test_an_output_dir_made_read_only_mid_run_is_one_line_and_resumes(writable_a
     checkpoints = run_dir / "checkpoints"
     assert f"cannot save step 4 in {checkpoints}: " in output
     assert f"the last good checkpoint {checkpoints / 'step-2'} is intact; fix that and resume" in output
-    if os.geteuid() == 0:
-        subprocess.run(["umount", str(run_dir)], check=True)
-    else:
-        for path in [run_dir, *run_dir.rglob("*")]:
-            if path.is_dir():
-                path.chmod(0o755)
+    _read_only_now(run_dir, read_only=False)
     code, output = _train_cli(run_dir, "training.max_steps=6")
     assert code == 0, output
     assert _train_steps(run_dir) == [1, 2, 3, 4, 5, 6] and _train_steps(run_dir, superseded=True) == [3, 4]
