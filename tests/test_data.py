@@ -724,3 +724,20 @@ def test_a_directory_reads_every_file_with_the_rules_of_a_file(tok, tmp_path):
         str(typed / "b.parquet")
     )
     assert build_datasets(make_recipe(typed), tok).stats.num_samples == len(ALPACA_ROWS) + 1
+
+
+def test_a_hub_column_of_mixed_types_is_refused():
+    """A hub dataset goes through datasets' JSON builder, which reads a mixed column back as JSON:
+    refused, since its text would not stay text (local files are read exactly instead)."""
+    import datasets
+
+    from ligertune.data.sources import SourceSpec, _refuse_json_columns
+
+    spec = SourceSpec("data.path", "org/mixed", None, "alpaca", "train", None, None)
+    mixed = datasets.Dataset.from_dict(
+        {"instruction": ["a", "b"], "output": ['"quoted"', "false"]},
+        features=datasets.Features({"instruction": datasets.Value("string"), "output": datasets.Json()}),
+    )
+    with pytest.raises(DataError, match=r"org/mixed: column output holds values of mixed types"):
+        _refuse_json_columns(mixed, spec, "org/mixed")
+    _refuse_json_columns(mixed.cast_column("output", datasets.Value("string")), spec, "org/mixed")
