@@ -132,21 +132,32 @@ def test_any_override_is_a_recipe_or_a_recipe_error(key, text):
 # --------------------------------------------------------------------------------------------
 
 ALPACA_COLUMNS = ["instruction", "input", "output"]
+# Any text, lone surrogates included (json.dumps writes them as \\ud800 escapes: a cut emoji).
+ANY_TEXT = st.text(alphabet=st.characters(exclude_categories=[]), max_size=12)
+ROW_VALUES = st.recursive(
+    SCALARS | ANY_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(ANY_TEXT, inner, max_size=4),
+    max_leaves=12,
+)
 ROWS = st.lists(
-    st.dictionaries(st.sampled_from([*ALPACA_COLUMNS, "extra"]), VALUES, min_size=1, max_size=4),
+    st.dictionaries(
+        st.sampled_from([*ALPACA_COLUMNS, "extra"]) | ANY_TEXT, ROW_VALUES, min_size=1, max_size=4
+    ),
     min_size=1,
     max_size=6,
 )
 
 
 def _json_safe(value) -> bool:
-    """Whether json.dumps writes `value` as JSON (no NaN or infinity anywhere in it)."""
+    """Whether `value` is JSON of text: no NaN or infinity, no lone surrogate, anywhere in it."""
     if isinstance(value, float):
         return math.isfinite(value)
+    if isinstance(value, str):
+        return not any(0xD800 <= ord(c) <= 0xDFFF for c in value)
     if isinstance(value, list):
         return all(_json_safe(v) for v in value)
     if isinstance(value, dict):
-        return all(_json_safe(v) for v in value.values())
+        return all(_json_safe(k) and _json_safe(v) for k, v in value.items())
     return True
 
 
@@ -154,7 +165,7 @@ def _json_safe(value) -> bool:
 @given(ROWS, st.booleans())
 def test_json_rows_are_read_exactly_or_refused(rows, lines):
     """JSON Lines or a JSON list: every value of the format's columns comes back exactly as
-    written, whatever its type; NaN and infinity (not JSON) are refused in one line."""
+    written, whatever its type; NaN, infinity and lone surrogates (not JSON text) are refused in one line."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / ("d.jsonl" if lines else "d.json")
         text = "".join(json.dumps(r) + "\n" for r in rows) if lines else json.dumps(rows)
@@ -273,3 +284,37 @@ def test_any_row_tokenises_or_is_one_data_error(tok, fmt, data):
     assert len(samples) == len(rows)
     for sample in samples:
         assert all(isinstance(t, int) and not isinstance(t, bool) for t in sample.input_ids)
+
+
+MESSAGES = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "system", "x"]) | VALUES, "content": VALUES}
+    ),
+    max_size=3,
+)
+PAIR_ROWS = {
+    "preference": st.fixed_dictionaries(
+        {"prompt": VALUES | MESSAGES, "chosen": VALUES | MESSAGES, "rejected": VALUES | MESSAGES},
+        optional={"ref_chosen_logps": VALUES, "ref_rejected_logps": VALUES},
+    ),
+    "kto": st.fixed_dictionaries(
+        {"prompt": VALUES | MESSAGES, "completion": VALUES | MESSAGES, "label": VALUES},
+        optional={"ref_logps": VALUES, "ref_kl_logps": VALUES},
+    ),
+}
+
+
+@FUZZ
+@given(st.data())
+@pytest.mark.parametrize("fmt", list(PAIR_ROWS))
+def test_any_pair_row_tokenises_or_is_one_data_error(tok, fmt, data):
+    from ligertune.data.preference import tokenize_pairs
+
+    rows = data.draw(st.lists(PAIR_ROWS[fmt], min_size=1, max_size=3))
+    try:
+        pairs = tokenize_pairs(fmt, [(f"d.jsonl, row {i}", row) for i, row in enumerate(rows)], tok, 32)
+    except DataError as e:
+        assert str(e).startswith(("d.jsonl, row ", "data.format")), str(e)
+        return
+    assert len(pairs) == len(rows)
+    assert all(math.isfinite(x) for pair in pairs for x in pair.ref_logps)

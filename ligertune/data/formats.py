@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ligertune.config.schema.data import PAIR_FORMATS
-from ligertune.errors import DataError
+from ligertune.errors import DataError, shown
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -162,7 +162,7 @@ def check_columns(fmt: str, found: Sequence[str], source: str, messages_field: s
     expected = ", ".join(required) + (f" (optional: {', '.join(optional)})" if optional else "")
     hint = _format_hint(fmt, found, messages_field)
     raise DataError(
-        f"{source}: data.format {fmt} expects columns {expected}; found {', '.join(found) or 'none'}"
+        f"{source}: data.format {fmt} expects columns {expected}; found {', '.join(map(shown, found)) or 'none'}"
         f" (missing {', '.join(missing)}){hint}"
     )
 
@@ -339,6 +339,11 @@ def chat_segments(
             for turn, message in enumerate(messages):
                 if message["role"] != "assistant":
                     continue
+                if turn == 0:  # the span of a turn is found after the prompt before it: there is none
+                    raise DataError(
+                        f"{where}: the conversation starts with an assistant turn, which has no prompt to be "
+                        "the answer to; start it with a user or system message, or set data.train_on_inputs: true"
+                    )
                 prompt, full = render(messages[:turn], True), render(messages[: turn + 1])
                 if not (prompt.startswith(done) and full.startswith(prompt)):
                     raise DataError(
@@ -350,7 +355,9 @@ def chat_segments(
                 done = full
             rest = render(messages)[len(done) :]
             samples.append(segments + ([(rest, False)] if rest else []))
-        except TemplateError as e:
+        except DataError:
+            raise
+        except (TemplateError, ValueError) as e:  # the template's own raise_exception, or transformers'
             raise DataError(f"{where}: the chat template rejected the conversation: {e}") from None
     return samples
 

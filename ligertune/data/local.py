@@ -32,6 +32,7 @@ import contextlib
 import csv
 import json
 import logging
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +47,8 @@ BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "c
 TEXT_SUFFIXES = (".json", ".jsonl", ".csv")
 # Rows turned into Arrow arrays at a time: bounds the Python objects alive while a file is read.
 _CHUNK = 50_000
+# UTF-8, with the byte-order mark some Windows editors write first skipped.
+_TEXT = "utf-8-sig"
 
 
 def load_local(
@@ -86,25 +89,38 @@ def load_file(path: Path, fmt: str, messages_field: str | None) -> tuple[dataset
 # --------------------------------------------------------------------------------------------
 
 
+# A JSON escape of a UTF-16 surrogate: paired, json makes one character of two; alone (a cut
+# emoji), it decodes to a string that is not Unicode text, which the tokenizer cannot take.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def _not_json(constant: str) -> Any:
     raise ValueError(f"{constant} is not a JSON number")
 
 
 def _loads(text: str) -> Any:
-    return json.loads(text, parse_constant=_not_json)
+    value = json.loads(text, parse_constant=_not_json)
+    if _SURROGATE_ESCAPE.search(text):
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(
+                "a \\u escape stands for half a character (a lone surrogate); fix the text"
+            ) from None
+    return value
 
 
 def _json_rows(path: Path) -> Iterator[dict[str, Any]]:
     """The rows of a JSON list of objects, a single object, or JSON Lines (one object a line).
     DataError naming the line of the first problem."""
-    with path.open(encoding="utf-8") as f:
+    with path.open(encoding=_TEXT) as f:
         first = ""
         for first in f:
             if first.strip():
                 break
     lines = _loads_first(first)
     if lines:  # JSON Lines: read a line at a time
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding=_TEXT) as f:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -120,7 +136,7 @@ def _json_rows(path: Path) -> Iterator[dict[str, Any]]:
                 yield row
         return
     try:
-        whole = _loads(path.read_text(encoding="utf-8"))
+        whole = _loads(path.read_text(encoding=_TEXT))
     except ValueError as e:
         raise DataError(f"{path}: not valid JSON: {_reason(e)}") from None
     if isinstance(whole, dict):
@@ -137,8 +153,8 @@ def _json_rows(path: Path) -> Iterator[dict[str, Any]]:
 
 def _loads_first(line: str) -> bool:
     """Whether the first non-blank line is a whole JSON object: then the file is JSON Lines."""
-    try:
-        return isinstance(_loads(line), dict) and line.lstrip().startswith("{")
+    try:  # the layout only: what the line holds is checked when it is read
+        return isinstance(json.loads(line), dict) and line.lstrip().startswith("{")
     except ValueError:
         return False
 
@@ -151,7 +167,7 @@ def _reason(error: ValueError) -> str:
 
 def _csv_rows(path: Path) -> Iterator[dict[str, Any]]:
     """The rows of a CSV file with a header line, every field as text."""
-    with path.open(encoding="utf-8", newline="") as f:
+    with path.open(encoding=_TEXT, newline="") as f:
         reader = csv.reader(f)
         try:
             header = next(reader, None)

@@ -317,18 +317,18 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def newest_intact(self) -> tuple[Path | None, list[str]]:
-        """The newest complete checkpoint that `verify_checkpoint` passes, and a warning line for
-        each newer one passed over as damaged (`resume: auto`, and `generate`). None when no
-        checkpoint is intact (the warnings then say why each one is not)."""
-        passed_over: list[str] = []
+        """The newest complete checkpoint that `verify_checkpoint` passes (`resume: auto`, and
+        `generate`), and what is wrong with each newer one, passed over as damaged. None when no
+        checkpoint is intact (the list then says why each one is not)."""
+        damaged: list[str] = []
         for candidate in reversed(self.complete()):
             try:
                 verify_checkpoint(candidate)
             except ValueError as e:
-                passed_over.append(f"warning: {e}; passed over it")
+                damaged.append(str(e))
                 continue
-            return candidate, passed_over
-        return None, passed_over
+            return candidate, damaged
+        return None, damaged
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step-{step}"

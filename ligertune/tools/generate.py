@@ -79,18 +79,16 @@ def resolve_source(run_or_model: str) -> Source:
         if (path / "config.json").is_file():
             return Source(str(path))
         if (path / "checkpoints").is_dir() or (path / "final").is_dir():
-            latest, passed_over = CheckpointManager(path / "checkpoints", keep_last=1).newest_intact()
-            if latest is None and passed_over:
-                reasons = "; ".join(
-                    line.removeprefix("warning: ").removesuffix("; passed over it") for line in passed_over
-                )
-                raise GenerateError(f"{path} has no intact checkpoint: {reasons}")
+            latest, damaged = CheckpointManager(path / "checkpoints", keep_last=1).newest_intact()
+            if latest is None and damaged:
+                raise GenerateError(f"{path} has no intact checkpoint: {'; '.join(damaged)}")
             if latest is None:
                 raise GenerateError(
                     f"{path} is a run directory with neither a final/ export nor a complete checkpoint; "
                     "train it further, or set checkpoint.export_hf=true"
                 )
-            return Source(str(latest), checkpoint=latest, passed_over=tuple(passed_over))
+            passed_over = tuple(f"warning: {problem}; passed over it, using {latest}" for problem in damaged)
+            return Source(str(latest), checkpoint=latest, passed_over=passed_over)
         raise GenerateError(
             f"{path} is a folder but neither a run directory nor a Hugging Face model (no config.json)"
         )

@@ -140,14 +140,16 @@ def resume_path(recipe: Recipe, manager: CheckpointManager) -> tuple[Path | None
         except ValueError as e:
             raise RecipeError([f"checkpoint.resume: {e}"]) from None
         return path, []
-    candidate, passed_over = manager.newest_intact()
+    candidate, damaged = manager.newest_intact()
     if candidate is not None:
-        return candidate, [f"{line}, resuming from {candidate}" for line in passed_over]
-    if passed_over:
+        return candidate, [
+            f"warning: {problem}; passed over it, resuming from {candidate}" for problem in damaged
+        ]
+    if damaged:
         raise RecipeError(
             [
                 f"checkpoint.resume: auto found no intact checkpoint in {manager.root}:",
-                *(line.removeprefix("warning: ") for line in passed_over),
+                *(f"{problem}; passed over it" for problem in damaged),
                 "restore one (from a copy) or start over with checkpoint.resume=none",
             ]
         )
