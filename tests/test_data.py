@@ -731,13 +731,12 @@ def test_a_hub_column_of_mixed_types_is_refused():
     refused, since its text would not stay text (local files are read exactly instead)."""
     import datasets
 
-    from ligertune.data.sources import SourceSpec, _refuse_json_columns
+    from ligertune.data.local import refuse_json_columns
 
-    spec = SourceSpec("data.path", "org/mixed", None, "alpaca", "train", None, None)
     mixed = datasets.Dataset.from_dict(
         {"instruction": ["a", "b"], "output": ['"quoted"', "false"]},
         features=datasets.Features({"instruction": datasets.Value("string"), "output": datasets.Json()}),
     )
     with pytest.raises(DataError, match=r"org/mixed: column output holds values of mixed types"):
-        _refuse_json_columns(mixed, spec, "org/mixed")
-    _refuse_json_columns(mixed.cast_column("output", datasets.Value("string")), spec, "org/mixed")
+        refuse_json_columns(mixed, "alpaca", None, "org/mixed")
+    refuse_json_columns(mixed.cast_column("output", datasets.Value("string")), "alpaca", None, "org/mixed")

@@ -81,6 +81,7 @@ def load_file(path: Path, fmt: str, messages_field: str | None) -> tuple[dataset
         return dataset, Located(str(path), json_text=True)
     dataset = _load_typed(path, builder)
     check_columns(fmt, dataset.column_names, str(path), messages_field)
+    refuse_json_columns(dataset, fmt, messages_field, str(path))
     return dataset, Located(str(path))
 
 
@@ -258,6 +259,22 @@ def _load_typed(path: Path, builder: str) -> datasets.Dataset:
             return datasets.load_dataset(builder, data_files={"train": str(path)}, split="train")
     except Exception as e:
         raise DataError(f"{path}: cannot read it as {path.suffix[1:]}: {root_message(e)}") from None
+
+
+def refuse_json_columns(dataset, fmt: str, messages_field: str | None, name: str) -> None:
+    """A dataset whose format column `datasets` typed ``Json`` (its values are of mixed types) is
+    refused: its JSON builder stores text that parses as JSON as it is, so ``"false"`` and
+    ``false`` read back alike. Hub datasets go through that builder; a Parquet or Arrow file
+    written by `datasets` may carry the type. Local JSON is read exactly instead (module docstring)."""
+    features = dataset.features or {}
+    required, optional = columns_for(fmt, messages_field)
+    mixed = [c for c in required + optional if c in features and "Json(" in repr(features[c])]  # nested too
+    if mixed:
+        raise DataError(
+            f"{name}: column {mixed[0]} holds values of mixed types, which datasets reads back as JSON (text "
+            'such as "false" or "null" would not stay text); give the column one type, or download the '
+            "files and point data.path at them (local files are read exactly)"
+        )
 
 
 # --------------------------------------------------------------------------------------------

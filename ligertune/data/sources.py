@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ligertune.data.formats import Located, check_columns, columns_for
-from ligertune.data.local import first_line, load_local, quiet_datasets
+from ligertune.data.formats import Located, check_columns
+from ligertune.data.local import first_line, load_local, quiet_datasets, refuse_json_columns
 from ligertune.errors import DataError
 from ligertune.paths import looks_local
 
@@ -81,7 +81,7 @@ def load_split(
     if spec.local is None:
         name = f"{spec.path} (split {split})" + (f", subset {spec.subset}" if spec.subset else "")
         dataset, located = _load_hub(spec, split, streaming), Located(name)
-        _refuse_json_columns(dataset, spec, name)
+        refuse_json_columns(dataset, spec.format, spec.messages_field, name)
     else:
         path = spec.local
         if not path.exists():
@@ -100,21 +100,6 @@ def load_split(
             raise DataError(f"{located}: the dataset is empty (split {split} has no rows)")
         check_columns(spec.format, dataset.column_names, str(located), spec.messages_field)
     return dataset, located
-
-
-def _refuse_json_columns(dataset, spec: SourceSpec, name: str) -> None:
-    """A hub dataset whose format column `datasets` typed ``Json`` (its values are of mixed types)
-    is refused: the JSON builder stores text that parses as JSON as it is, so ``"false"`` and
-    ``false`` read back alike. Local files are read exactly instead (`ligertune.data.local`)."""
-    features = dataset.features or {}
-    required, optional = columns_for(spec.format, spec.messages_field)
-    mixed = [c for c in required + optional if c in features and "Json(" in repr(features[c])]  # nested too
-    if mixed:
-        raise DataError(
-            f"{name}: column {mixed[0]} holds values of mixed types, which datasets reads back as JSON (text "
-            'such as "false" or "null" would not stay text); give the column one type, or download the '
-            "files and point data.path at them (local files are read exactly)"
-        )
 
 
 def stream_columns(dataset: datasets.IterableDataset) -> list[str]:
