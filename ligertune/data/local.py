@@ -44,7 +44,6 @@ if TYPE_CHECKING:
     import datasets
 
 BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
-TEXT_SUFFIXES = (".json", ".jsonl", ".csv")
 # Rows turned into Arrow arrays at a time: bounds the Python objects alive while a file is read.
 _CHUNK = 50_000
 # UTF-8, with the byte-order mark some Windows editors write first skipped.
@@ -63,8 +62,7 @@ def load_local(
             f"{path}: a single file holds one split, train, not {split!r}; point data.path at a directory "
             "or dataset with that split, or hold out data.validation_fraction instead"
         )
-    dataset, located = load_file(path, fmt, messages_field)
-    return dataset, located
+    return load_file(path, fmt, messages_field)
 
 
 def load_file(path: Path, fmt: str, messages_field: str | None) -> tuple[datasets.Dataset, Located]:
@@ -344,9 +342,10 @@ def split_files(path: Path) -> dict[str, list[Path]]:
 def _concatenate(
     path: Path, parts: list[tuple[datasets.Dataset, Located]]
 ) -> tuple[datasets.Dataset, Located]:
-    """The files' rows one after another. Their columns must agree: a column some files lack is
-    filled with nulls (JSON text: a missing value; typed files: only when the other files have it
-    as null too), and a column typed differently in two typed files is refused."""
+    """The files' rows one after another, named by file. Their columns must agree: a column some
+    files lack, or hold only nulls in, is nulls there of the type the others give it (for JSON
+    text, a missing value), and a column typed differently in two typed files is refused (it used
+    to be cast to the first file's type)."""
     import datasets
 
     datasets_ = [d for d, _ in parts]
