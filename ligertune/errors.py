@@ -69,3 +69,10 @@ class ExternalError(LigertuneError):
 class OutOfMemoryError(TrainingError):
     """The GPU ran out of memory in a step; the message names the plan's suggestion. A type of its
     own so that `ligertune compare` reports the arm as out of memory, a finding, not a failure."""
+
+
+def shown(text: object) -> str:
+    """A key or name as an error line shows it: as written, or quoted when it holds a newline, a
+    control character or a space (a problem stays on one line, and an odd name stays visible)."""
+    value = str(text)
+    return value if value and value.isprintable() and " " not in value else repr(value)

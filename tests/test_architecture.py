@@ -26,25 +26,26 @@ PACKAGE = ROOT / "ligertune"
 # module level (besides itself). cli imports the rest lazily, inside its commands.
 _UNDER_TRAINING = {
     "objectives", "distributed", "data", "lora", "patching", "models", "plan", "run", "config", "catalog",
-    "errors", "paths", "kernels",
+    "errors", "paths", "files", "kernels",
 }  # fmt: skip
 LAYERS: dict[str, set[str]] = {
     "__main__": {"cli"},
-    "cli": {"config", "catalog", "errors", "paths", "run"},
+    "cli": {"config", "catalog", "errors", "paths", "files", "run"},
     "tools": {"training", *_UNDER_TRAINING},
     "training": _UNDER_TRAINING,
     "objectives": {"lora", "patching", "data", "models", "catalog", "errors", "kernels"},
     "distributed": {"models", "run", "config", "catalog", "errors"},
     "lora": {"patching", "models", "errors"},
     "patching": {"models", "catalog", "errors", "kernels"},
-    "data": {"config", "catalog", "errors", "paths"},
+    "data": {"config", "catalog", "errors", "paths", "files"},
     "models": {"catalog", "errors", "paths"},
-    "run": {"errors"},
-    "config": {"catalog", "errors", "paths"},
+    "run": {"catalog", "errors", "files"},
+    "config": {"catalog", "models", "errors", "paths"},
     "plan": {"catalog", "kernels"},
     "catalog": {"errors", "paths"},
     "errors": set(),
     "paths": set(),
+    "files": set(),
     "__init__": set(),
 }
 

@@ -535,6 +535,204 @@ CASES = [
     ),
 ]
 
+
+# -- 10. documents and numbers that would exhaust time or memory --------------------------------
+# 510 bytes: 10 values, each level ten aliases of the one below, 8 levels: 10⁹ values expanded.
+ALIAS_BOMB = "    a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"    {chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]\n" for i in range(8)
+)
+BOMB_RECIPE = "model:\n  config:\n    model_type: llama\n" + ALIAS_BOMB + SOURCES
+CASES += [
+    Case(
+        "yaml_alias_bomb",
+        "the document expands to more than 100,000 values through its aliases",
+        BOMB_RECIPE,
+        ("validate", "{recipe}", "-f", "yaml"),
+    ),
+    Case("yaml_alias_bomb_train", "expands to more than 100,000 values", BOMB_RECIPE, ("train", "{recipe}")),
+    Case(
+        "yaml_alias_bomb_in_an_override",
+        "model.config: cannot parse value",
+        BASE,
+        (
+            "validate",
+            "{recipe}",
+            "model.config=[&a [x, x, x, x, x, x, x, x, x, x], "
+            + ", ".join(f"&{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 10)}]" for i in range(8))
+            + "]",
+        ),
+    ),
+    Case(
+        "yaml_alias_in_itself", "an alias refers to a mapping or list that contains it", BASE + "x: &a [*a]\n"
+    ),
+    Case(
+        "recipe_file_too_large",
+        "cannot read the recipe file: it is larger than 1024 KiB; a recipe is a few KB of YAML",
+        args=("validate", "{tmp}/big.yaml"),
+        files={"big.yaml": "# " + "x" * (1 << 20) + "\n"},
+    ),
+    Case(
+        "accumulation_huge",
+        "training.gradient_accumulation_steps: got 1000000000; input should be less than or equal to 16384",
+        _training("gradient_accumulation_steps: 1000000000"),
+    ),
+    Case(
+        "micro_batch_huge",
+        "training.micro_batch_size: got 1000000000; input should be less than or equal to 65536, or auto",
+        _training("micro_batch_size: 1000000000"),
+    ),
+    Case(
+        "global_batch_huge",
+        "training.global_batch_size: got 10000000000; input should be less than or equal to 1048576",
+        _training("micro_batch_size: auto\nglobal_batch_size: 10000000000"),
+    ),
+    Case(
+        "max_seq_len_huge",
+        "data.max_seq_len: got 10000000000; input should be less than or equal to 4194304",
+        BASE.replace("data:\n", "data:\n  max_seq_len: 10000000000\n", 1),
+    ),
+    Case(
+        "max_samples_huge",
+        "data.max_samples: got 1000000000000; input should be less than or equal to 268435456",
+        BASE.replace("data:\n", "data:\n  max_samples: 1000000000000\n", 1),
+    ),
+    Case(
+        "lora_rank_huge",
+        "lora.r: got 1000000000; input should be less than or equal to 65536",
+        BASE + "lora:\n  r: 1000000000\n",
+    ),
+    Case(
+        "config_override_negative_hidden",
+        "model.config_overrides: transformers refuses the config: ValueError: The hidden size (-5) is not a multiple",
+        _model("config: tiny-llama\nconfig_overrides: {hidden_size: -5}"),
+    ),
+    Case(
+        "config_override_negative_size",
+        "model.config_overrides: intermediate_size is -1; it sizes the model and must be a positive integer",
+        _model("config: tiny-llama\nconfig_overrides: {intermediate_size: -1}"),
+    ),
+    Case(
+        "config_override_wrong_type",
+        "model.config_overrides: transformers refuses the config: TypeError: Field 'hidden_size' expected int, got str",
+        _model("config: tiny-llama\nconfig_overrides: {hidden_size: wide}"),
+    ),
+    Case(
+        "config_mapping_zero_vocabulary",
+        "model.config: vocab_size is 0; it sizes the model and must be a positive integer",
+        _model("config: {model_type: llama, hidden_size: 64, num_attention_heads: 4, vocab_size: 0}"),
+    ),
+    Case(
+        "train_config_override_negative",
+        "model.config_overrides: intermediate_size is -1",
+        _model("config: tiny-llama\nconfig_overrides: {intermediate_size: -1}")
+        + "training:\n  precision: fp32\n",
+        ("train", "{recipe}"),
+    ),
+]
+
+
+# -- 11. data that would train silently wrong: refused, naming the file and the row -------------
+def _data(path: str, fmt: str = "alpaca") -> str:
+    return (
+        "model:\n  config: tiny-llama\ntokenizer:\n  name_or_path: ligertune://tokenizer\n"
+        f"data:\n  path: {path}\n  format: {fmt}\ntraining:\n  precision: fp32\n  max_steps: 1\n"
+    )
+
+
+def _jsonl(*rows: object) -> str:
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
+GOOD_ROW = {"instruction": "Say hi.", "output": "Hi."}
+TRAIN = ("train", "{recipe}")
+CASES += [
+    Case(
+        "json_mixed_types_name_the_row",
+        "{tmp}/d.jsonl, row 3: output must be text, got int",
+        _data("{tmp}/d.jsonl"),
+        TRAIN,
+        files={
+            "d.jsonl": _jsonl(*({"instruction": "x", "output": o} for o in ('"quoted"', "false", "null", 5)))
+        },
+    ),
+    Case(
+        "directory_mixed_file_types",
+        "{tmp}/d: mixes file types: a.jsonl (json), b.csv (csv); a directory holds files of one type",
+        _data("{tmp}/d"),
+        TRAIN,
+        files={"d/a.jsonl": _jsonl(GOOD_ROW), "d/b.csv": "instruction,output\nSay hi.,Hi.\n"},
+    ),
+    Case(
+        "directory_file_refused_like_a_file",
+        "{tmp}/d/b.jsonl, row 1: output must be text, got int",
+        _data("{tmp}/d"),
+        TRAIN,
+        files={
+            "d/a.jsonl": _jsonl(GOOD_ROW, GOOD_ROW),
+            "d/b.jsonl": _jsonl(GOOD_ROW, {"instruction": "x", "output": 7}),
+        },
+    ),
+    Case(
+        "directory_file_in_no_split",
+        "{tmp}/d: extra.jsonl belongs to no split",
+        _data("{tmp}/d"),
+        TRAIN,
+        files={
+            "d/train.jsonl": _jsonl(GOOD_ROW),
+            "d/test.jsonl": _jsonl(GOOD_ROW),
+            "d/extra.jsonl": _jsonl(GOOD_ROW),
+        },
+    ),
+    Case(
+        "pretokenized_bools",
+        "{tmp}/p.jsonl, row 1: input_ids[0] is True; token ids must be integers",
+        _data("{tmp}/p.jsonl", "pretokenized"),
+        TRAIN,
+        files={"p.jsonl": _jsonl({"input_ids": [1, 2, 3]}, {"input_ids": [True, False, True]})},
+    ),
+    Case(
+        "pretokenized_float_names_its_row",
+        "{tmp}/p.jsonl, row 2: input_ids[1] is 5.0; token ids must be integers",
+        _data("{tmp}/p.jsonl", "pretokenized"),
+        TRAIN,
+        files={"p.jsonl": _jsonl({"input_ids": [1, 2]}, {"input_ids": [3, 4]}, {"input_ids": [4, 5.0]})},
+    ),
+    Case(
+        "alpaca_every_output_empty",
+        "{tmp}/d.jsonl, row 0: output is empty, as in 3 of the 3 rows ({tmp}/d.jsonl, row 1, {tmp}/d.jsonl, "
+        "row 2); there would be nothing to train on in them: remove those rows",
+        _data("{tmp}/d.jsonl"),
+        TRAIN,
+        files={"d.jsonl": _jsonl(*({"instruction": f"Q{i}", "output": ""} for i in range(3)))},
+    ),
+    Case(
+        "chat_row_without_assistant_turn",
+        "{tmp}/c.jsonl, row 1: the conversation has no assistant turn; there would be nothing to train on in it",
+        _data("{tmp}/c.jsonl", "chat"),
+        TRAIN,
+        files={
+            "c.jsonl": _jsonl(
+                {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]},
+                {"messages": [{"role": "user", "content": "Hi"}]},
+            )
+        },
+    ),
+    Case(
+        "json_nan",
+        "{tmp}/d.jsonl: line 2 is not valid JSON: NaN is not a JSON number",
+        _data("{tmp}/d.jsonl"),
+        TRAIN,
+        files={"d.jsonl": _jsonl(GOOD_ROW) + '{"instruction": "x", "output": NaN}\n'},
+    ),
+    Case(
+        "csv_ragged_row",
+        "{tmp}/d.csv: line 3 has 3 fields, the header has 2",
+        _data("{tmp}/d.csv"),
+        TRAIN,
+        files={"d.csv": "instruction,output\nSay hi.,Hi.\nSay hi.,Hi.,extra\n"},
+    ),
+]
+
 # Inputs that must keep working (the strict types and new rules must not refuse them).
 GOOD = [
     Case(
@@ -692,3 +890,20 @@ def test_max_grad_norm_zero_does_not_zero_the_gradients():
     assert norm > 0
     for grad, p in zip(before, model.parameters(), strict=True):
         assert torch.equal(grad, p.grad)
+
+
+def test_recipes_cp_never_writes_through_a_link(in_tmp):
+    """A link where the copy would go, even a dangling one, is refused: the file it points at is
+    neither created nor overwritten."""
+    target = in_tmp / "elsewhere.yaml"
+    (in_tmp / "mine.yaml").symlink_to(target)
+    code, output = run_case(
+        Case("cp_onto_link", "", args=("recipes", "cp", "quickstart", "{tmp}/mine.yaml")), in_tmp
+    )
+    assert code == 2 and f"{in_tmp}/mine.yaml is a symbolic link (to {target}); not overwriting it" in output
+    assert not target.exists()
+    target.write_text("precious\n")
+    code, output = run_case(
+        Case("cp_onto_link", "", args=("recipes", "cp", "quickstart", "{tmp}/mine.yaml")), in_tmp
+    )
+    assert code == 2 and target.read_text() == "precious\n"

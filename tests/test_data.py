@@ -160,11 +160,19 @@ def test_chat_train_on_inputs_and_messages_field(tok, tmp_path):
     assert labels == [IGNORE] + ids[1:]
 
 
-def test_chat_without_assistant_turn_is_dropped_and_counted(tok, tmp_path):
-    rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:2]}]
-    data = build_datasets(make_recipe(write_jsonl(tmp_path / "c.jsonl", rows), format="chat"), tok)
-    assert len(data.train) == 1 and data.stats.num_dropped == 1
-    assert "1 dropped" in data.report()
+def test_chat_without_assistant_turn_is_refused_with_counts(tok, tmp_path):
+    """Such a row has nothing to train on: refused with the count and the rows (it used to be
+    dropped, and a dataset of them trained on nothing), unless every turn is trained."""
+    rows = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:2]}, {"messages": CONVERSATION[:1]}]
+    path = write_jsonl(tmp_path / "c.jsonl", rows)
+    with pytest.raises(
+        DataError,
+        match=r"c\.jsonl, row 1: the conversation has no assistant turn, as in 2 of the 3 rows \(.*c\.jsonl, "
+        r"row 2\); there would be nothing to train on in them: remove those rows; or set data\.train_on_inputs",
+    ):
+        build_datasets(make_recipe(path, format="chat"), tok)
+    data = build_datasets(make_recipe(path, format="chat", train_on_inputs=True), tok)
+    assert data.stats.num_samples == 3 and data.stats.num_dropped == 0
 
 
 def test_chat_template_errors_name_the_row(tok, tmp_path):
@@ -437,12 +445,14 @@ def test_validation_fraction_is_seeded_and_disjoint(tok, tmp_path):
 
 
 def test_validation_split_from_a_directory(tok, tmp_path):
-    write_jsonl(tmp_path / "train.jsonl", ALPACA_ROWS)
-    write_jsonl(tmp_path / "validation.jsonl", ALPACA_ROWS[:1])
-    data = build_datasets(make_recipe(tmp_path, validation_split="validation"), tok)
+    folder = tmp_path / "data"  # a folder of data files only (the test's cache is in tmp_path)
+    folder.mkdir()
+    write_jsonl(folder / "train.jsonl", ALPACA_ROWS)
+    write_jsonl(folder / "validation.jsonl", ALPACA_ROWS[:1])
+    data = build_datasets(make_recipe(folder, validation_split="validation"), tok)
     assert len(data.train) == 3 and len(data.validation) == 1
-    with pytest.raises(DataError, match="cannot load split 'test'"):
-        build_datasets(make_recipe(tmp_path, split="test"), tok)
+    with pytest.raises(DataError, match="no split 'test'; its files make train, validation"):
+        build_datasets(make_recipe(folder, split="test"), tok)
 
 
 def test_parquet_source(tok, tmp_path):
@@ -660,3 +670,73 @@ def test_hub_ids_go_through_load_dataset(tok, monkeypatch):
         DataError, match=r"cannot load 'org/offline' from the hub \(ConnectionError: Couldn't reach"
     ):
         build_datasets(make_recipe("org/offline"), tok)
+
+
+# --------------------------------------------------------------------------------------------
+# Text read as text; one set of rules for a file and a directory
+# --------------------------------------------------------------------------------------------
+
+# Outputs that a JSON reader typing columns from their values used to decode again: quoted text
+# lost its quotes, "false" became False and "null" vanished.
+JSON_LOOKING = ['"quoted"', "false", "null", "[1, 2]", "{}", "42", "Saturn"]
+
+
+def _outputs(data, tok) -> list[str]:
+    return [tok.decode(labelled(row)).removesuffix(tok.eos_token) for row in data.train]
+
+
+def test_json_text_is_read_as_the_text_it_is(tok, tmp_path):
+    rows = [{"instruction": "Repeat.", "output": text} for text in JSON_LOOKING]
+    data = build_datasets(make_recipe(write_jsonl(tmp_path / "a.jsonl", rows)), tok)
+    assert _outputs(data, tok) == JSON_LOOKING
+    (tmp_path / "b.json").write_text(json.dumps(rows))  # a JSON list: the same
+    assert _outputs(build_datasets(make_recipe(tmp_path / "b.json"), tok), tok) == JSON_LOOKING
+
+
+def test_csv_fields_are_read_as_text(tok, tmp_path):
+    """pandas would read NA, null and 42 as a missing value and a number."""
+    texts = ["NA", "null", "42", "1e5", "True", "a, with a comma"]
+    lines = ["instruction,output"] + [f'Repeat.,"{text}"' for text in texts]
+    (tmp_path / "a.csv").write_text("\n".join(lines) + "\n")
+    assert _outputs(build_datasets(make_recipe(tmp_path / "a.csv"), tok), tok) == texts
+
+
+def test_a_directory_reads_every_file_with_the_rules_of_a_file(tok, tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", ALPACA_ROWS[:2])
+    write_jsonl(folder / "b.jsonl", [*ALPACA_ROWS[2:], {"instruction": "x", "output": "y", "extra": 5}])
+    data = build_datasets(make_recipe(folder), tok)
+    assert data.stats.num_samples == len(ALPACA_ROWS) + 1  # every file, all its rows
+    # A column typed differently in two typed files is refused (it used to be cast to the first's).
+    import datasets
+
+    typed = tmp_path / "typed"
+    typed.mkdir()
+    datasets.Dataset.from_list(ALPACA_ROWS).to_parquet(str(typed / "a.parquet"))
+    datasets.Dataset.from_list([{"instruction": "x", "input": "", "output": 3}]).to_parquet(
+        str(typed / "b.parquet")
+    )
+    with pytest.raises(DataError, match=r"column output is string in .*a\.parquet but int64 in .*b\.parquet"):
+        build_datasets(make_recipe(typed), tok)
+    # A column one typed file has as nulls only takes the others' type.
+    datasets.Dataset.from_list([{"instruction": "x", "input": None, "output": "y"}]).to_parquet(
+        str(typed / "b.parquet")
+    )
+    assert build_datasets(make_recipe(typed), tok).stats.num_samples == len(ALPACA_ROWS) + 1
+
+
+def test_a_hub_column_of_mixed_types_is_refused():
+    """A hub dataset goes through datasets' JSON builder, which reads a mixed column back as JSON:
+    refused, since its text would not stay text (local files are read exactly instead)."""
+    import datasets
+
+    from ligertune.data.local import refuse_json_columns
+
+    mixed = datasets.Dataset.from_dict(
+        {"instruction": ["a", "b"], "output": ['"quoted"', "false"]},
+        features=datasets.Features({"instruction": datasets.Value("string"), "output": datasets.Json()}),
+    )
+    with pytest.raises(DataError, match=r"org/mixed: column output holds values of mixed types"):
+        refuse_json_columns(mixed, "alpaca", None, "org/mixed")
+    refuse_json_columns(mixed.cast_column("output", datasets.Value("string")), "alpaca", None, "org/mixed")

@@ -28,8 +28,8 @@ def test_truncate_pair_cuts_the_prompt_from_the_left_first():
 
 def test_pairs_mask_the_prompt_and_end_with_eos(tmp_path):
     tokenizer = load_tokenizer(load_recipe(ROOT / "recipes" / "quickstart-dpo.yaml"))
-    rows = [(0, {"prompt": "Q: two plus two?\nA: ", "chosen": "Four.", "rejected": "Five."})]
-    (pair,) = tokenize_pairs("preference", rows, tokenizer, 64, "test")
+    rows = [("test, row 0", {"prompt": "Q: two plus two?\nA: ", "chosen": "Four.", "rejected": "Five."})]
+    (pair,) = tokenize_pairs("preference", rows, tokenizer, 64)
     for sample in (pair.first, pair.second):
         trained = [i for i, label in enumerate(sample.labels) if label != IGNORE_INDEX]
         prompt_len = trained[0]
@@ -38,7 +38,7 @@ def test_pairs_mask_the_prompt_and_end_with_eos(tmp_path):
         assert sample.input_ids[-1] == tokenizer.eos_token_id
     chat = [
         (
-            0,
+            "test, row 0",
             {
                 "prompt": [{"role": "user", "content": "Hi?"}],
                 "chosen": "Hello!",
@@ -46,14 +46,16 @@ def test_pairs_mask_the_prompt_and_end_with_eos(tmp_path):
             },
         )
     ]
-    (pair,) = tokenize_pairs("preference", chat, tokenizer, 64, "test")
+    (pair,) = tokenize_pairs("preference", chat, tokenizer, 64)
     assert tokenizer.decode([t for t in pair.first.labels if t != IGNORE_INDEX]).startswith("Hello!")
 
 
 def test_kto_pairs_a_completion_with_the_next_rows_completion():
     tokenizer = load_tokenizer(load_recipe(ROOT / "recipes" / "quickstart-kto.yaml"))
-    rows = [(i, {"prompt": f"P{i} ", "completion": f"C{i}", "label": i == 0}) for i in range(3)]
-    pairs = tokenize_pairs("kto", rows, tokenizer, 64, "test")
+    rows = [
+        (f"test, row {i}", {"prompt": f"P{i} ", "completion": f"C{i}", "label": i == 0}) for i in range(3)
+    ]
+    pairs = tokenize_pairs("kto", rows, tokenizer, 64)
     assert [p.label for p in pairs] == [1, 0, 0]
     decoded = [tokenizer.decode(p.second.input_ids) for p in pairs]
     assert "P0 C1" in decoded[0] and "P2 C0" in decoded[2]

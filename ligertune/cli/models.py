@@ -24,12 +24,18 @@ def generate(
         "--chat/--no-chat",
         help="Send the prompt through the tokenizer's chat template (when it has one).",
     ),
+    trust_remote_code: bool = typer.Option(
+        False,
+        "--trust-remote-code",
+        help="Let the model's own modeling code (auto_map) run; a recipe in a run directory cannot.",
+    ),
 ) -> None:
     """Complete a prompt with a trained model: a quick sanity check of a run.
 
-    A run directory uses its final/ export, or without one its newest checkpoint (the model rebuilt
-    from the checkpoint's recipe). Runs on the GPU when there is one, else on the CPU. Prints the
-    completion only. Exit status 2 when the model cannot be found or loaded.
+    A run directory uses its final/ export, or without one its newest intact checkpoint (the model
+    rebuilt from the checkpoint's recipe). Runs on the GPU when there is one, else on the CPU.
+    Prints the completion only. Exit status 2 when the model cannot be found or loaded. Nothing
+    loaded runs code unless --trust-remote-code is given (README: "What is safe to load").
 
     [bold]Examples[/]
 
@@ -42,8 +48,15 @@ def generate(
     from ligertune.tools.generate import generate as run_generate
 
     result = run_generate(
-        run_or_model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, chat=chat
+        run_or_model,
+        prompt,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        chat=chat,
+        trust_remote_code=trust_remote_code,
     )
+    for line in result.source.passed_over:
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
     how = "chat template" if result.chat else "plain prompt"
     err_console.print(
         f"[dim]{escape(result.source.describe())} on {result.device}, {how}[/]",

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 import re
-import shutil
 from enum import Enum
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from ligertune.cli.common import _print_problems, command, console, recipes_app,
 from ligertune.config import load_recipe, recipe_to_yaml, shipped_recipes
 from ligertune.config.rules import model_problems
 from ligertune.errors import RecipeError
+from ligertune.files import write_new
 
 
 class Format(str, Enum):
@@ -186,15 +187,16 @@ def recipes_cp(
         close = difflib.get_close_matches(name, list(available), n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
         raise usage(f"no shipped recipe named {name!r}{hint}")
-    if dest.is_dir():
+    if dest.is_dir() and not dest.is_symlink():
         dest = dest / source.name
-    if dest.exists():
-        raise usage(f"{dest} exists; not overwriting it")
+    if os.path.lexists(dest):  # a link too, even a dangling one: never written through
+        what = f"is a symbolic link (to {os.readlink(dest)})" if dest.is_symlink() else "exists"
+        raise usage(f"{dest} {what}; not overwriting it")
     if not dest.parent.is_dir():
         what = "is a file" if dest.parent.exists() else "does not exist"
         raise usage(f"cannot write {dest}: the folder {dest.parent} {what}; create the folder first")
     try:
-        shutil.copyfile(source, dest)
+        write_new(dest, source.read_bytes())  # O_EXCL | O_NOFOLLOW: nothing there, not even a link
     except OSError as e:
         raise usage(f"cannot write {dest}: {e.strerror}") from None
     console.print(f"wrote {dest}", markup=False, highlight=False, soft_wrap=True)

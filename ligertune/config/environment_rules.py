@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ligertune.catalog.rules import runs_on_cuda
+from ligertune.errors import RecipeError
+from ligertune.models.config import build_config, config_problems
 from ligertune.paths import looks_local
 
 if TYPE_CHECKING:
@@ -62,6 +64,10 @@ def _unknown_model_type(model_type: str) -> str | None:
     return f"model_type {model_type!r} is not one transformers {transformers.__version__} knows{hint}"
 
 
+def _known_type(model_type: object) -> bool:
+    return isinstance(model_type, str) and _unknown_model_type(model_type) is None
+
+
 def _model_type_known(recipe: Recipe) -> list[str]:
     """The model's model_type is one the installed transformers knows, or its own code is trusted.
 
@@ -90,6 +96,26 @@ def _model_type_known(recipe: Recipe) -> list[str]:
             "config.json and model.trust_remote_code=true"
         ]
     return []
+
+
+def _config_builds(recipe: Recipe) -> list[str]:
+    """model.config and model.config_overrides build a transformers config with positive sizes (a hub model: at train)."""
+    if recipe.model.name_or_path is not None and not looks_local(recipe.model.name_or_path):
+        return []  # a hub id: its config needs the hub; `validate --check` and `train` build it
+    if _model_type_known(recipe):
+        return []  # model.type_known has said what is wrong
+    _, local, _ = _local_model_config(recipe)
+    if local is not None and "auto_map" in local and not _known_type(local.get("model_type")):
+        return []  # its own config class: building it would run the model's code, which train does
+    key = "model.config_overrides" if recipe.model.config_overrides else "model.config"
+    try:
+        config = build_config(recipe)
+    except RecipeError as e:
+        return e.problems
+    except Exception as e:  # transformers' validation of the config's fields, in its own words
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return [f"{key}: transformers refuses the config: {lines[-1] if lines else type(e).__name__}"]
+    return config_problems(config, key)
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,6 +178,7 @@ def _flash_attention_on_cuda(recipe: Recipe) -> list[str]:
 # (rule name, phase, check), in the order `ligertune.config.rules` registers them.
 ENVIRONMENT_RULES = [
     ("model.type_known", "model", _model_type_known),
+    ("model.config_builds", "model", _config_builds),
     ("training.device_available", "machine", _device_available),
     ("training.fp32_on_cpu", "machine", _fp32_on_cpu),
     ("model.quantize_on_cuda", "machine", _quantize_on_cuda),

@@ -23,7 +23,7 @@ from ligertune.catalog.objectives import OBJECTIVES
 from ligertune.catalog.strategies import STRATEGIES
 from ligertune.config.rules import recipe_problems
 from ligertune.config.schema import KernelsSection, Recipe
-from ligertune.errors import RecipeError
+from ligertune.errors import RecipeError, shown
 from ligertune.paths import RECIPES_DIR, shipped_recipes
 
 
@@ -42,19 +42,71 @@ class DuplicateKeyError(yaml.YAMLError):
         )
 
 
+class DocumentTooLarge(yaml.YAMLError):
+    """A document that aliases expand into more values than any recipe has (an "alias bomb":
+    a few hundred bytes of nested ``&anchors`` and ``*aliases`` standing for billions of values),
+    or that refers to itself."""
+
+    def __init__(self, problem: str):
+        super().__init__(problem)
+        self.problem = problem
+
+    def __str__(self) -> str:
+        return self.problem
+
+
+# What a recipe may expand to: far above a real one (a few hundred values with a model.config
+# mapping), far below what would take noticeable time or memory to validate, dump or train on.
+MAX_VALUES = 100_000
+# A recipe file is a few KB (a chat template included); a bigger one is not a recipe.
+MAX_RECIPE_BYTES = 1 << 20
+
+
 class RecipeLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` with two changes for recipes.
+    """``yaml.SafeLoader`` with three changes for recipes.
 
     - Duplicate keys are errors (`DuplicateKeyError`, naming the dotted key and both lines),
       checked on the composed node tree before construction, where the parent keys are known.
     - ``2e-5`` and ``1e3`` are floats, as in YAML 1.2 and as people write learning rates. YAML 1.1
       (PyYAML) wants a dot and a signed exponent (``2.0e-5``) and reads ``2e-5`` as a string, which
       the strict schema would then refuse.
+    - The document's size with its aliases expanded is bounded (`MAX_VALUES`; a long string
+      counts once per KiB), and an alias inside what it names is refused (`DocumentTooLarge`).
+      PyYAML builds an alias as a second reference to one object, so loading costs nothing; but
+      everything after it walks the expanded tree (validation, ``validate -f yaml``, the saved
+      recipe.yaml), and 819 bytes of nested anchors made that unbounded. The size is counted on
+      the node graph before construction, each node once (linear in the file's size).
     """
 
     def construct_document(self, node: yaml.Node) -> Any:
         _check_duplicates(node, [], set())
+        if _expanded_size(node, {}, set()) > MAX_VALUES:
+            raise DocumentTooLarge(
+                f"the document expands to more than {MAX_VALUES:,} values through its aliases (*name repeats "
+                "what &name anchors); write the values out, without nested aliases"
+            )
         return super().construct_document(node)
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_: set[int]) -> int:
+    """Values in `node` with every alias expanded, each distinct node counted once (`sizes`)."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    if key in open_:
+        raise DocumentTooLarge("an alias refers to a mapping or list that contains it; write the values out")
+    open_.add(key)
+    if isinstance(node, yaml.MappingNode):
+        size = 1 + sum(
+            _expanded_size(k, sizes, open_) + _expanded_size(v, sizes, open_) for k, v in node.value
+        )
+    elif isinstance(node, yaml.SequenceNode):
+        size = 1 + sum(_expanded_size(item, sizes, open_) for item in node.value)
+    else:
+        size = 1 + len(str(node.value)) // 1024
+    open_.discard(key)
+    sizes[key] = min(size, MAX_VALUES + 1)  # enough to know it is too big; keeps the numbers small
+    return sizes[key]
 
 
 RecipeLoader.add_implicit_resolver(
@@ -88,6 +140,12 @@ def load_yaml(text: str) -> Any:
     return yaml.load(text, Loader=RecipeLoader)  # noqa: S506 - RecipeLoader is a SafeLoader
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's complaint in one line (a reader error's message spans several, with its position)."""
+    text = str(getattr(error, "problem", None) or error).strip()
+    return (text.splitlines() or [type(error).__name__])[0]
+
+
 def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
     """``training.lr=2e-5`` → (["training", "lr"], 2e-05). Values are parsed as YAML."""
     parsed = []
@@ -98,7 +156,9 @@ def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
         try:
             value = load_yaml(raw) if raw else None
         except yaml.YAMLError as e:
-            raise RecipeError([f"{key}: cannot parse value {raw!r} as YAML ({e.problem})"]) from None
+            raise RecipeError(
+                [f"{key}: cannot parse value {raw[:100]!r} as YAML ({_yaml_problem(e)})"]
+            ) from None
         parsed.append((key.split("."), value))
     return parsed
 
@@ -192,8 +252,8 @@ def _describe_union(location: _Location, given: Any) -> str:
         else _TYPE_WORDS.get(typing.get_origin(a) or a, getattr(a, "__name__", str(a)))
         for a in typing.get_args(annotation)
     ]
-    shown = ".".join(str(p) for p in location.shown)
-    return f"{shown}: got {given!r}; expected {', '.join(words[:-1])} or {words[-1]}"
+    dotted = ".".join(shown(p) for p in location.shown)
+    return f"{dotted}: got {given!r}; expected {', '.join(words[:-1])} or {words[-1]}"
 
 
 def describe_errors(errors: list[dict]) -> list[str]:
@@ -227,13 +287,13 @@ def _component_key(location: _Location) -> str | None:
     listed = owners[0] if len(owners) == 1 else f"{', '.join(owners[:-1])} and {owners[-1]}"
     to = owners[0] if len(owners) == 1 else f"one of {', '.join(owners)}"
     return (
-        f"{'.'.join(map(str, location.shown))}: {chooser} {chosen} has no option {key} (an option of "
+        f"{'.'.join(shown(p) for p in location.shown)}: {chooser} {chosen} has no option {key} (an option of "
         f"{listed}); remove it, or set {chooser} to {to}"
     )
 
 
 def _describe_error(err: dict, location: _Location) -> str:
-    dotted = ".".join(str(p) for p in location.shown) or "recipe"
+    dotted = ".".join(shown(p) for p in location.shown) or "recipe"
     kind = err["type"]
     given = err.get("input")
     if kind == "extra_forbidden":
@@ -241,8 +301,9 @@ def _describe_error(err: dict, location: _Location) -> str:
         if component is not None:
             return component
         valid = list(location.parent.model_fields) if location.parent else []
-        close = difflib.get_close_matches(str(location.shown[-1]), valid, n=1, cutoff=0.6)
-        prefix = ".".join(str(p) for p in location.shown[:-1])
+        key = str(location.shown[-1])
+        close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6) if key.isprintable() else []
+        prefix = ".".join(shown(p) for p in location.shown[:-1])
         hint = f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else ""
         return f"{dotted}: unknown key{hint} (valid keys here: {', '.join(valid)})"
     if kind == "union_tag_invalid":  # an objective or strategy name that is none of them
@@ -308,22 +369,32 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
             )
         )
     try:
-        raw = load_yaml(path.read_text(encoding="utf-8"))
+        raw = load_yaml(_read_recipe_text(path))
     except UnicodeDecodeError:
         raise RecipeError(["the file is not UTF-8 text"], str(path)) from None
     except OSError as e:
         raise RecipeError([f"cannot read the recipe file: {e.strerror}"], str(path)) from None
-    except DuplicateKeyError as e:
+    except (DuplicateKeyError, DocumentTooLarge) as e:
         raise RecipeError([str(e)], str(path)) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise RecipeError([f"not valid YAML{where}: {getattr(e, 'problem', e)}"], str(path)) from None
+        raise RecipeError([f"not valid YAML{where}: {_yaml_problem(e)}"], str(path)) from None
     if raw is None:
         raw = {}
     if isinstance(raw, dict) and overrides:
         raw = apply_overrides(raw, overrides)
     return validate_recipe(raw, str(path), path.resolve().parent)
+
+
+def _read_recipe_text(path: Path) -> str:
+    """The recipe file's text, at most `MAX_RECIPE_BYTES` read (a device or a huge file named by
+    mistake is refused, not read to its end)."""
+    with open(path, "rb") as f:
+        data = f.read(MAX_RECIPE_BYTES + 1)
+    if len(data) > MAX_RECIPE_BYTES:
+        raise OSError(0, f"it is larger than {MAX_RECIPE_BYTES // 1024} KiB; a recipe is a few KB of YAML")
+    return data.decode("utf-8")
 
 
 def recipe_to_yaml(recipe: Recipe) -> str:

@@ -41,6 +41,7 @@ from ligertune.catalog.strategies import STRATEGIES
 from ligertune.config.environment_rules import ENVIRONMENT_RULES
 from ligertune.config.objective_rules import OBJECTIVE_RULES
 from ligertune.config.schema import Recipe
+from ligertune.errors import shown
 from ligertune.paths import looks_local
 
 RULES: list[Rule] = []
@@ -117,9 +118,9 @@ def _local_files_exist(recipe: Recipe) -> list[str]:
             path = recipe.resolve(value)
             if not path.exists():
                 where = [Path.cwd()] + ([recipe._base_dir] if recipe._base_dir else [])
-                looked = " and ".join(str((d / path).resolve()) for d in dict.fromkeys(where))
-                shown = str(path) if path.is_absolute() else f"{value} (looked for {looked})"
-                problems.append(f"{key}: file not found: {shown}")
+                looked = " and ".join(shown((d / path).resolve()) for d in dict.fromkeys(where))
+                named = shown(path) if path.is_absolute() else f"{shown(value)} (looked for {looked})"
+                problems.append(f"{key}: file not found: {named}")
     return problems
 
 

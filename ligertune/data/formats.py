@@ -27,12 +27,14 @@ that prefix every call with a space (Llama 2, Mistral) start each response with 
 
 from __future__ import annotations
 
+import bisect
+import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ligertune.catalog.formats import PAIR_FORMATS
-from ligertune.errors import DataError
+from ligertune.errors import DataError, shown
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -55,11 +57,58 @@ ALPACA_PROMPT_NO_INPUT = (
 class Sample:
     input_ids: list[int]
     labels: list[int]
+    # A row with no response text to learn from (an empty output or completion, a conversation
+    # without an assistant turn): only the EOS, or nothing, would be trained. Counted and refused
+    # by the pipeline, as a dataset that "trains" on such rows teaches nothing.
+    empty: bool = False
 
 
 # A sample before tokenization: text pieces, each with whether its tokens are trained on.
 Segments = list[tuple[str, bool]]
-Rows = Iterable[tuple[int, dict[str, Any]]]  # (row number in the source split, row)
+# (where the row is, for messages: "<file>, row <k>"; the row)
+Rows = Iterable[tuple[str, dict[str, Any]]]
+
+
+@dataclass(frozen=True)
+class Located:
+    """How messages name a dataset and its rows, and how its values are stored.
+
+    `name` is the dataset (a file, a directory, a hub id and split). A directory read file by file
+    (`ligertune.data.local`) lists its `files` with the position of each one's first row, so that a
+    row is named by its own file and its row there, counted from 0. `json_text`: every value is
+    stored as the JSON text of the value the file held, decoded here (`ligertune.data.local` says
+    why)."""
+
+    name: str
+    files: tuple[tuple[str, int], ...] = ()
+    json_text: bool = False
+
+    def __str__(self) -> str:
+        return self.name
+
+    def where(self, index: int) -> str:
+        """``<file>, row <k>`` for row `index` of the dataset."""
+        if not self.files:
+            return f"{self.name}, row {index}"
+        name, start = self.files[bisect.bisect_right([s for _, s in self.files], index) - 1]
+        return f"{name}, row {index - start}"
+
+    def value(self, stored: Any) -> Any:
+        return json.loads(stored) if self.json_text and stored is not None else stored
+
+    def row(self, index: int, row: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Row `index` of the dataset, as `Rows` hold it: named, its values decoded."""
+        return self.where(index), {c: self.value(v) for c, v in row.items()}
+
+    def rows(self, batch: dict[str, list], numbers: Iterable[int]) -> list[tuple[str, dict[str, Any]]]:
+        """A `datasets.map` batch as `Rows`: its k-th row is row `numbers[k]` of the dataset."""
+        columns = list(batch)
+        return [self.row(n, {c: batch[c][k] for c in columns}) for k, n in enumerate(numbers)]
+
+
+def teaches_nothing(segments: Segments) -> bool:
+    """No trained segment holds any text (module docstring of the pipeline: refused with counts)."""
+    return not any(text for text, trained in segments if trained)
 
 
 def alpaca_prompt(instruction: str, input: str = "") -> str:
@@ -113,7 +162,7 @@ def check_columns(fmt: str, found: Sequence[str], source: str, messages_field: s
     expected = ", ".join(required) + (f" (optional: {', '.join(optional)})" if optional else "")
     hint = _format_hint(fmt, found, messages_field)
     raise DataError(
-        f"{source}: data.format {fmt} expects columns {expected}; found {', '.join(found) or 'none'}"
+        f"{source}: data.format {fmt} expects columns {expected}; found {', '.join(map(shown, found)) or 'none'}"
         f" (missing {', '.join(missing)}){hint}"
     )
 
@@ -174,31 +223,54 @@ def encode_segments(
         tail_trained = train_on_inputs or bool(segments and segments[-1][1])
         input_ids += tail
         labels += tail if tail_trained else [IGNORE_INDEX] * len(tail)
-        out.append(Sample(input_ids, labels))
+        out.append(Sample(input_ids, labels, empty=not train_on_inputs and teaches_nothing(segments)))
     return out
 
 
-def alpaca_segments(rows: Rows, source: str) -> list[Segments]:
+def alpaca_segments(rows: Rows) -> list[Segments]:
     samples = []
-    for index, row in rows:
+    for where, row in rows:
         instruction, input_, output = row["instruction"], row.get("input") or "", row["output"]
         for name, value in (("instruction", instruction), ("input", input_), ("output", output)):
             if not isinstance(value, str):
-                raise DataError(f"{source}, row {index}: {name} must be text, got {type(value).__name__}")
+                raise DataError(f"{where}: {name} must be text, got {type(value).__name__}")
         samples.append([(alpaca_prompt(instruction, input_), False), (output, True)])
     return samples
 
 
-def prompt_completion_segments(rows: Rows, source: str) -> list[Segments]:
+def prompt_completion_segments(rows: Rows) -> list[Segments]:
     samples = []
-    for index, row in rows:
+    for where, row in rows:
         for name in ("prompt", "completion"):
             if not isinstance(row[name], str):
-                raise DataError(f"{source}, row {index}: {name} must be text, got {type(row[name]).__name__}")
-        if not row["completion"]:
-            raise DataError(f"{source}, row {index}: completion is empty; there would be nothing to train on")
+                raise DataError(f"{where}: {name} must be text, got {type(row[name]).__name__}")
         samples.append([(row["prompt"], False), (row["completion"], True)])
     return samples
+
+
+# What a row that teaches nothing lacks, by format (the pipeline's refusal names it).
+NOTHING_TO_TEACH = {
+    "alpaca": "output is empty",
+    "prompt_completion": "completion is empty",
+    "chat": "the conversation has no assistant turn",
+    "sharegpt": "the conversation has no assistant (gpt) turn",
+}
+
+
+def empty_rows_message(wheres: list[str], count: int, total: int, fmt: str) -> str:
+    """The refusal of rows that teach nothing (`Sample.empty`): the first, how many of how many,
+    a few more."""
+    what = NOTHING_TO_TEACH.get(canonical_format(fmt), "there is no response text")
+    alternative = (
+        "; or set data.train_on_inputs: true" if canonical_format(fmt) in ("chat", "sharegpt") else ""
+    )
+    if count == 1:
+        return f"{wheres[0]}: {what}; there would be nothing to train on in it: remove the row{alternative}"
+    others = ", ".join(wheres[1:]) + (", ..." if count > len(wheres) else "")
+    return (
+        f"{wheres[0]}: {what}, as in {count} of the {total} rows ({others}); there would be nothing to "
+        f"train on in them: remove those rows{alternative}"
+    )
 
 
 def sharegpt_messages(turns: Any, field: str, where: str) -> list[dict]:
@@ -230,7 +302,6 @@ def chat_segments(
     tokenizer: PreTrainedTokenizerBase,
     messages_field: str,
     train_on_inputs: bool,
-    source: str,
     sharegpt: bool = False,
 ) -> list[Segments]:
     """Split each rendered conversation into prompt text and assistant text.
@@ -254,8 +325,7 @@ def chat_segments(
         )
 
     samples = []
-    for index, row in rows:
-        where = f"{source}, row {index}"
+    for where, row in rows:
         value = row[messages_field]
         if sharegpt:
             messages = sharegpt_messages(value, messages_field, where)
@@ -269,10 +339,15 @@ def chat_segments(
             for turn, message in enumerate(messages):
                 if message["role"] != "assistant":
                     continue
+                if turn == 0:  # the span of a turn is found after the prompt before it: there is none
+                    raise DataError(
+                        f"{where}: the conversation starts with an assistant turn, which has no prompt to be "
+                        "the answer to; start it with a user or system message, or set data.train_on_inputs: true"
+                    )
                 prompt, full = render(messages[:turn], True), render(messages[: turn + 1])
                 if not (prompt.startswith(done) and full.startswith(prompt)):
                     raise DataError(
-                        f"{source}, row {index}: the chat template renders earlier turns differently once "
+                        f"{where}: the chat template renders earlier turns differently once "
                         "later turns are added, so assistant turns cannot be located for masking; set "
                         "tokenizer.chat_template to a prefix-stable template or data.train_on_inputs: true"
                     )
@@ -280,10 +355,10 @@ def chat_segments(
                 done = full
             rest = render(messages)[len(done) :]
             samples.append(segments + ([(rest, False)] if rest else []))
-        except TemplateError as e:
-            raise DataError(
-                f"{source}, row {index}: the chat template rejected the conversation: {e}"
-            ) from None
+        except DataError:
+            raise
+        except (TemplateError, ValueError) as e:  # the template's own raise_exception, or transformers'
+            raise DataError(f"{where}: the chat template rejected the conversation: {e}") from None
     return samples
 
 
@@ -312,11 +387,10 @@ def _check_messages(messages: Any, field: str, where: str) -> list[dict]:
 # --------------------------------------------------------------------------------------------
 
 
-def pretokenized_samples(rows: Rows, vocab_size: int, source: str) -> list[Sample]:
+def pretokenized_samples(rows: Rows, vocab_size: int) -> list[Sample]:
     """Rows used as given; labels default to the input ids (every token trained)."""
     out = []
-    for index, row in rows:
-        where = f"{source}, row {index}"
+    for where, row in rows:
         input_ids, labels = row["input_ids"], row.get("labels")
         if not isinstance(input_ids, list) or not input_ids:
             raise DataError(f"{where}: input_ids must be a non-empty list of token ids")
@@ -336,8 +410,11 @@ def pretokenized_samples(rows: Rows, vocab_size: int, source: str) -> list[Sampl
 
 def _check_ids(ids: list, vocab_size: int, where: str, allow_ignore: bool) -> None:
     for position, token in enumerate(ids):
-        if not isinstance(token, int) or not (
-            0 <= token < vocab_size or allow_ignore and token == IGNORE_INDEX
+        # bool is an int to Python (true would be token 1): a column of flags is not token ids.
+        if (
+            isinstance(token, bool)
+            or not isinstance(token, int)
+            or not (0 <= token < vocab_size or allow_ignore and token == IGNORE_INDEX)
         ):
             allowed = f"0–{vocab_size - 1}" + (" or -100" if allow_ignore else "")
             raise DataError(f"{where}[{position}] is {token!r}; token ids must be integers in {allowed}")
@@ -357,15 +434,15 @@ def tokenize_rows(
     if fmt in PAIR_FORMATS:
         raise DataError(f"{source}: data.format {fmt} is tokenised in pairs (ligertune.data.preference)")
     if fmt == "pretokenized":
-        return pretokenized_samples(rows, len(tokenizer), source)
+        return pretokenized_samples(rows, len(tokenizer))
     if tokenizer.eos_token_id is None:
         raise DataError(f"data.format {fmt} appends an EOS token, and the tokenizer has none")
     if fmt == "alpaca":
-        segments, special = alpaca_segments(rows, source), True
+        segments, special = alpaca_segments(rows), True
     elif fmt == "prompt_completion":
-        segments, special = prompt_completion_segments(rows, source), True
+        segments, special = prompt_completion_segments(rows), True
     else:
         field = messages_field or default_messages_field(fmt)
-        segments = chat_segments(rows, tokenizer, field, train_on_inputs, source, sharegpt=fmt == "sharegpt")
+        segments = chat_segments(rows, tokenizer, field, train_on_inputs, sharegpt=fmt == "sharegpt")
         special = False
     return encode_segments(tokenizer, segments, train_on_inputs=train_on_inputs, add_special_tokens=special)

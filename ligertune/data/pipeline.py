@@ -27,6 +27,7 @@ without a shared disk, builds its own). ``data.streaming`` goes to `ligertune.da
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -40,20 +41,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ligertune.data.cache import (
+    DamagedEntry,
     cache_root,
     data_keys,
     fingerprint,
     load_entry,
+    samples_digest,
     tokenizer_fingerprint,
     write_entry,
 )
-from ligertune.data.formats import Sample, check_columns, columns_for, tokenize_rows
+from ligertune.data.formats import Located, Sample, columns_for, empty_rows_message, tokenize_rows
 from ligertune.data.packing import SequenceDataset, layout_rows, truncate_and_mask
 from ligertune.data.preference import PAIR_FORMATS, pair_features, pair_rows, tokenize_pair_batch
 from ligertune.data.prepared import DataStats, Log, PreparedData
 from ligertune.data.sources import SourceSpec, load_split, quiet_datasets, source_fingerprint, source_specs
 from ligertune.data.streaming import build_streaming
 from ligertune.errors import DataError
+from ligertune.files import describe_os_error, remove_tree
 
 if TYPE_CHECKING:
     import datasets
@@ -87,10 +91,8 @@ def build_datasets(
     builder = _Builder(recipe, tokenizer, say)
     if not recipe.data.cache:
         with tempfile.TemporaryDirectory(prefix="ligertune-data-") as work:
-            (Path(work) / "meta.json").write_text(json.dumps(builder.tokenise(Path(work))))
-            entry = load_entry(Path(work))
-            assert entry is not None  # just written
-            return _lay_out(*entry, recipe.data, tokenizer, None, say)
+            entry = builder.load_or_build(Path(work) / "entry")
+            return _lay_out(*entry[:2], recipe.data, tokenizer, None, say)
     directory = builder.cache_directory()
     if barrier is None:
         entry = builder.load_or_build(directory)
@@ -102,7 +104,7 @@ def build_datasets(
     else:
         barrier()
         entry = builder.load_or_build(directory)
-    return _lay_out(*entry, recipe.data, tokenizer, directory, say)
+    return _lay_out(*entry[:2], recipe.data, tokenizer, directory, say)
 
 
 def cache_entry(
@@ -112,9 +114,7 @@ def cache_entry(
     its folder and whether it was already there."""
     builder = _Builder(recipe, tokenizer, log or (lambda message: None))
     directory = builder.cache_directory()
-    existed = (directory / "meta.json").is_file()
-    if not existed:
-        builder.load_or_build(directory)
+    _, _, existed = builder.load_or_build(directory)
     return directory, existed
 
 
@@ -124,15 +124,12 @@ class _Builder:
     def __init__(self, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, log: Log):
         self.recipe, self.data, self.tokenizer, self.log = recipe, recipe.data, tokenizer, log
         self.specs = source_specs(recipe)
-        self._loaded: dict[tuple[int, str], tuple[datasets.Dataset, str]] = {}
+        self._loaded: dict[tuple[int, str], tuple[datasets.Dataset, Located]] = {}
 
-    def source(self, index: int, split: str) -> tuple[datasets.Dataset, str]:
+    def source(self, index: int, split: str) -> tuple[datasets.Dataset, Located]:
         key = (index, split)
         if key not in self._loaded:
-            spec = self.specs[index]
-            dataset, name = load_split(spec, split)
-            check_columns(spec.format, dataset.column_names, name, spec.messages_field)
-            self._loaded[key] = dataset, name
+            self._loaded[key] = load_split(self.specs[index], split)
         return self._loaded[key]
 
     def cache_directory(self) -> Path:
@@ -155,20 +152,34 @@ class _Builder:
         )
         return cache_root(self.data) / key
 
-    def load_or_build(self, directory: Path) -> tuple[dict[str, datasets.Dataset], dict[str, Any]]:
+    def load_or_build(self, directory: Path) -> tuple[dict[str, datasets.Dataset], dict[str, Any], bool]:
+        """The cache entry at `directory`, verified (`ligertune.data.cache`), or built there;
+        and whether it was there intact. A damaged entry is reported, removed and rebuilt."""
         start = time.perf_counter()
-        entry = load_entry(directory)
+        try:
+            entry = load_entry(directory)
+        except DamagedEntry as e:
+            self.log(f"warning: {e}; rebuilding it")
+            try:
+                remove_tree(directory)
+            except OSError as removal:
+                raise DataError(f"{e}, and it cannot be removed ({describe_os_error(removal)})") from None
+            entry = None
         if entry is not None:
             count = sum(entry[1]["splits"].values())
             self.log(
                 f"loaded {count:,} tokenised samples from cache {directory} in {time.perf_counter() - start:.1f} s"
             )
-            return entry
-        write_entry(directory, self.tokenise)
+            return *entry, True
+        try:
+            write_entry(directory, self.tokenise)
+            entry = load_entry(directory)
+        except (OSError, DamagedEntry) as e:
+            what = describe_os_error(e) if isinstance(e, OSError) else str(e)
+            raise DataError(f"cannot write the data cache entry {directory}: {what}") from None
         self.log(f"cached the tokenised samples at {directory}")
-        entry = load_entry(directory)
         assert entry is not None  # just written
-        return entry
+        return *entry, False
 
     def tokenise(self, work: Path) -> dict[str, Any]:
         """Choose, tokenise and save every split into `work`; returns the meta to save with them."""
@@ -181,10 +192,11 @@ class _Builder:
                 splits["validation"] = self.tokenise_split("validation", validation, scratch)
             for name, split in splits.items():
                 split.save_to_disk(str(work / name))
+        digests = {name: samples_digest(split) for name, split in splits.items()}
         shutil.rmtree(scratch, ignore_errors=True)
         count = sum(len(s) for s in splits.values())
         self.log(f"tokenised {count:,} samples in {time.perf_counter() - start:.1f} s")
-        return {"splits": {name: len(split) for name, split in splits.items()}}
+        return {"splits": {name: len(split) for name, split in splits.items()}, "samples": digests}
 
     # -- which rows ------------------------------------------------------------------------
 
@@ -270,16 +282,17 @@ class _Builder:
         return tokenised
 
     def _map(
-        self, source: datasets.Dataset, rows: np.ndarray, spec: SourceSpec, name: str, cache_file: Path
+        self, source: datasets.Dataset, rows: np.ndarray, spec: SourceSpec, name: Located, cache_file: Path
     ) -> datasets.Dataset:
-
+        """Tokenise rows `rows` of `source` (one batched `datasets.map`), then refuse rows that
+        teach nothing (`refuse_empty`)."""
         required, optional = columns_for(spec.format, spec.messages_field)
         columns = [c for c in required + optional if c in source.column_names]
         selected = source.select_columns(columns).select(rows.tolist())
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         num_proc = min(8, os.cpu_count() or 1) if len(rows) > PARALLEL_ROWS else 1
         pairs = spec.format in PAIR_FORMATS  # two sequences per row (ligertune.data.preference)
-        return selected.map(
+        mapped = selected.map(
             tokenize_pair_batch if pairs else tokenize_batch,
             batched=True,
             batch_size=MAP_BATCH,
@@ -299,6 +312,9 @@ class _Builder:
                 "source": name,
             },
         )
+        if not pairs and not self.data.train_on_inputs:
+            refuse_empty(mapped, rows, spec.format, name)
+        return mapped
 
 
 def sample_features() -> datasets.Features:
@@ -311,6 +327,7 @@ def sample_features() -> datasets.Features:
             "labels": datasets.Sequence(datasets.Value("int32")),
             "truncated": datasets.Value("bool"),
             "dropped": datasets.Value("bool"),
+            "empty": datasets.Value("bool"),
         }
     )
 
@@ -325,30 +342,40 @@ def tokenize_batch(
     train_on_inputs: bool,
     messages_field: str | None,
     max_seq_len: int,
-    source: str,
+    source: Located,
 ) -> dict:
     """One `datasets.map` batch → samples, truncated and masked. `rows` maps a position in the
-    selection back to the row number in the source, which error messages name. Dropped samples
-    stay (empty) so that they are counted."""
-    columns = list(batch)
-    numbered = ((int(rows[i]), {c: batch[c][k] for c in columns}) for k, i in enumerate(indices))
+    selection back to the row number in the source, which error messages name (with its file,
+    `Located`). Dropped samples stay (empty) so that they are counted."""
     samples = tokenize_rows(
         fmt,
-        numbered,
+        source.rows(batch, (int(rows[i]) for i in indices)),
         tokenizer,
         train_on_inputs=train_on_inputs,
         messages_field=messages_field,
-        source=source,
+        source=str(source),
     )
-    out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "dropped": []}
+    out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "dropped": [], "empty": []}
     for sample in samples:
         kept, truncated, _ = truncate_and_mask([sample], max_seq_len)
+        out["empty"].append(sample.empty)
         sample = kept[0] if kept else Sample([], [])
         out["input_ids"].append(sample.input_ids)
         out["labels"].append(sample.labels)
         out["truncated"].append(bool(truncated))
         out["dropped"].append(not kept)
     return out
+
+
+def refuse_empty(mapped: datasets.Dataset, rows: np.ndarray, fmt: str, source: Located) -> None:
+    """DataError when rows of `mapped` teach nothing (`ligertune.data.formats.Sample.empty`),
+    with their count and the first few, by file and row. A dataset of such rows would train on
+    end-of-sequence tokens only (or be dropped row by row, silently): refused, as a
+    prompt_completion row with an empty completion always was."""
+    empty = np.sort(rows[np.flatnonzero(mapped.with_format("numpy")["empty"])])  # in the file's order
+    if len(empty) == 0:
+        return
+    raise DataError(empty_rows_message([source.where(int(r)) for r in empty[:4]], len(empty), len(rows), fmt))
 
 
 def mix_counts(weights: np.ndarray, total: int) -> list[int]:
@@ -383,7 +410,15 @@ def _lay_out(
     log(
         f"{stats.num_samples - stats.num_dropped:,} samples {layout}: {len(train):,} rows in {time.perf_counter() - start:.1f} s"
     )
-    return PreparedData(train, validation, stats, directory)
+    return PreparedData(train, validation, stats, directory, data_fingerprint(meta))
+
+
+def data_fingerprint(meta: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint records of the data it was trained on: a digest of every split's
+    tokenised samples, and their counts (for the message when they differ)."""
+    splits, digests = meta["splits"], meta["samples"]
+    combined = hashlib.sha256(json.dumps(digests, sort_keys=True).encode()).hexdigest()[:20]
+    return {"samples": combined, **{name: splits[name] for name in sorted(splits)}}
 
 
 def _rows(

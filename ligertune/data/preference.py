@@ -33,13 +33,14 @@ has them, ``ref_logps`` [2B].
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
-from ligertune.data.formats import IGNORE_INDEX, PAIR_FORMATS, Rows, Sample, special_affixes
+from ligertune.data.formats import IGNORE_INDEX, PAIR_FORMATS, Located, Rows, Sample, special_affixes
 from ligertune.data.loader import MicroBatchLoader
 from ligertune.data.packing import SequenceDataset, layout_rows
 from ligertune.data.prepared import DataStats
@@ -140,7 +141,7 @@ def truncate_pair(
 
 
 def tokenize_pairs(
-    fmt: str, rows: Rows, tokenizer: PreTrainedTokenizerBase, max_seq_len: int, source: str
+    fmt: str, rows: Rows, tokenizer: PreTrainedTokenizerBase, max_seq_len: int
 ) -> list[PairSample]:
     """Rows of a ``preference`` or ``kto`` split → truncated `PairSample`s (module docstring)."""
     eos = tokenizer.eos_token_id
@@ -152,8 +153,7 @@ def tokenize_pairs(
         completions = [row["completion"] for _, row in rows]
         shifted = completions[1:] + completions[:1]
     parsed = []
-    for k, (index, row) in enumerate(rows):
-        where = f"{source}, row {index}"
+    for k, (where, row) in enumerate(rows):
         if fmt == "preference":
             responses, names, label = [row["chosen"], row["rejected"]], ("chosen", "rejected"), 1
         else:
@@ -166,9 +166,9 @@ def tokenize_pairs(
             )
         prompt, texts, chat = _render_pair(tokenizer, row["prompt"], responses, names, where)
         refs = [row.get(c) for c in REFERENCE_COLUMNS[fmt]]
-        if any(r is not None for r in refs) and not all(isinstance(r, int | float) for r in refs):
+        if any(r is not None for r in refs) and not all(_finite_number(r) for r in refs):
             raise DataError(
-                f"{where}: {' and '.join(REFERENCE_COLUMNS[fmt])} must both be numbers, got {refs}"
+                f"{where}: {' and '.join(REFERENCE_COLUMNS[fmt])} must both be finite numbers, got {refs}"
             )
         parsed.append((prompt, texts, chat, label, [float(r) for r in refs] if refs[0] is not None else []))
     texts = [t for prompt, responses, *_ in parsed for t in (prompt, *responses)]
@@ -184,6 +184,11 @@ def tokenize_pairs(
         first, second = (Sample(full + r, [IGNORE_INDEX] * len(full) + r) for r in responses)
         out.append(PairSample(first, second, label, refs, truncated))
     return out
+
+
+def _finite_number(value: Any) -> bool:
+    # bool is an int to Python; NaN and infinity would make every loss of the pair non-finite.
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def pair_features() -> datasets.Features:
@@ -212,14 +217,13 @@ def tokenize_pair_batch(
     fmt: str,
     tokenizer,
     max_seq_len: int,
-    source: str,
+    source: Located,
     **_,
 ) -> dict:
     """One `datasets.map` batch of pair rows → cached pair columns (`pair_features`)."""
-    columns = list(batch)
-    numbered = [(int(rows[i]), {c: batch[c][k] for c in columns}) for k, i in enumerate(indices)]
+    numbered = source.rows(batch, (int(rows[i]) for i in indices))
     out: dict[str, list] = {name: [] for name in pair_features()}
-    for pair in tokenize_pairs(fmt, numbered, tokenizer, max_seq_len, source):
+    for pair in tokenize_pairs(fmt, numbered, tokenizer, max_seq_len):
         out["input_ids"].append(pair.first.input_ids + pair.second.input_ids)
         out["labels"].append(pair.first.labels + pair.second.labels)
         out["split"].append(len(pair.first.input_ids))

@@ -49,6 +49,9 @@ class PreparedData:
     validation: SequenceDataset | None
     stats: DataStats  # train counts; stats.validation for the validation split
     cache_dir: Path | None = None  # the cache entry the samples came from or went to
+    # A digest of the tokenised samples and their counts (`ligertune.data.pipeline.data_fingerprint`),
+    # saved with every checkpoint so that a resume notices changed data; None for a stream.
+    fingerprint: dict[str, Any] | None = None
 
     def report(self) -> str:
         """One line for the run log."""

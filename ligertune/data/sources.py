@@ -1,30 +1,26 @@
 """Reading one split of a dataset through `datasets`, with errors that name the file.
 
 ``data.path`` is either local (``ligertune://`` assets, a JSON/JSONL/Parquet/CSV/Arrow file,
-a directory of such files, or a directory written by ``save_to_disk``) or a hub id, which goes
-through the same ``datasets.load_dataset`` call. A single local file is the split ``train``.
-
-`datasets` reports broken files poorly: invalid UTF-8 is read without complaint and a JSON
-syntax error surfaces as a generic DatasetGenerationError. So text files are checked for
-UTF-8 before loading (one streaming pass), and when loading fails the file is re-read to find
-the line at fault. The successful path costs one UTF-8 pass and nothing else.
+a directory of such files, or a directory written by ``save_to_disk``), read by
+`ligertune.data.local` with one set of rules for a file and a directory, or a hub id, which goes
+through ``datasets.load_dataset``. A single local file is the split ``train``.
 
 A hub dataset may name a config (``data.subset``: ``load_dataset(path, subset)``). With
 ``data.streaming`` the split is an `IterableDataset` read lazily (``streaming=True``); its
 columns are checked on its first row, since a stream's features may be unknown.
+
+Each split comes with a `Located`: the name messages use for the dataset, and for each row the
+file it came from and its row there.
 """
 
 from __future__ import annotations
 
-import codecs
-import contextlib
-import json
-import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ligertune.data.formats import Located, check_columns
+from ligertune.data.local import first_line, load_local, quiet_datasets, refuse_json_columns
 from ligertune.errors import DataError
 from ligertune.paths import looks_local
 
@@ -33,8 +29,7 @@ if TYPE_CHECKING:
 
     from ligertune.config import DataSection, Recipe
 
-BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
-TEXT_SUFFIXES = (".json", ".jsonl", ".csv")
+__all__ = ["Located", "SourceSpec", "load_split", "quiet_datasets", "source_fingerprint", "source_specs"]
 
 
 @dataclass(frozen=True)
@@ -80,27 +75,31 @@ def source_specs(recipe: Recipe) -> list[SourceSpec]:
 
 def load_split(
     spec: SourceSpec, split: str, streaming: bool = False
-) -> tuple[datasets.Dataset | datasets.IterableDataset, str]:
-    """One split of a dataset and a name for it to use in messages."""
+) -> tuple[datasets.Dataset | datasets.IterableDataset, Located]:
+    """One split of a dataset, its columns checked against the format's (a stream's on its first
+    row), and how messages name it and its rows."""
     if spec.local is None:
         name = f"{spec.path} (split {split})" + (f", subset {spec.subset}" if spec.subset else "")
-        dataset = _load_hub(spec, split, streaming)
+        dataset, located = _load_hub(spec, split, streaming), Located(name)
+        refuse_json_columns(dataset, spec.format, spec.messages_field, name)
     else:
         path = spec.local
         if not path.exists():
             raise DataError(f"{spec.key}: file not found: {path}")
         if spec.subset is not None:
             raise DataError(f"data.subset: {spec.subset!r} names a hub config, but {path} is a local dataset")
-        name = str(path)
-        dataset = _load_dir(path, split) if path.is_dir() else _load_file(path, split)
+        dataset, located = load_local(path, split, spec.format, spec.messages_field)
         if streaming:
             dataset = dataset.to_iterable_dataset()
     if streaming:
         if next(iter(dataset.take(1)), None) is None:
-            raise DataError(f"{name}: the dataset is empty (split {split} has no rows)")
-    elif len(dataset) == 0:
-        raise DataError(f"{name}: the dataset is empty (split {split} has no rows)")
-    return dataset, name
+            raise DataError(f"{located}: the dataset is empty (split {split} has no rows)")
+        check_columns(spec.format, stream_columns(dataset), str(located), spec.messages_field)
+    else:
+        if len(dataset) == 0:
+            raise DataError(f"{located}: the dataset is empty (split {split} has no rows)")
+        check_columns(spec.format, dataset.column_names, str(located), spec.messages_field)
+    return dataset, located
 
 
 def stream_columns(dataset: datasets.IterableDataset) -> list[str]:
@@ -132,141 +131,9 @@ def _load_hub(spec: SourceSpec, split: str, streaming: bool) -> datasets.Dataset
     try:
         return datasets.load_dataset(spec.path, split=split, **kwargs)
     except ValueError as e:
-        raise DataError(f"{spec.key} {spec.path}: {_first_line(e)}") from None
+        raise DataError(f"{spec.key} {spec.path}: {first_line(e)}") from None
     except Exception as e:  # network, authentication, missing repository: all say the same to the user
         raise DataError(
-            f"{spec.key}: cannot load {spec.path!r} from the hub ({type(e).__name__}: {_first_line(e)}); "
+            f"{spec.key}: cannot load {spec.path!r} from the hub ({type(e).__name__}: {first_line(e)}); "
             "no local file has that name either"
         ) from None
-
-
-def _load_file(path: Path, split: str) -> datasets.Dataset:
-    import datasets
-
-    builder = BUILDERS.get(path.suffix.lower())
-    if builder is None:
-        raise DataError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(BUILDERS)}")
-    if path.stat().st_size == 0:
-        raise DataError(f"{path}: the file is empty")
-    if builder in ("json", "csv"):
-        check_utf8(path)
-    try:
-        with quiet_datasets():
-            return datasets.load_dataset(builder, data_files={"train": str(path)}, split=split)
-    except Exception as e:
-        raise _diagnose(path, split, e) from None
-
-
-def _load_dir(path: Path, split: str) -> datasets.Dataset:
-    import datasets
-
-    if (path / "dataset_dict.json").exists() or (path / "state.json").exists():
-        loaded = datasets.load_from_disk(str(path))
-        if isinstance(loaded, datasets.Dataset):
-            return loaded  # one split saved on its own
-        if split not in loaded:
-            raise DataError(f"{path}: no split {split!r}; it has {', '.join(loaded)}")
-        return loaded[split]
-    for file in sorted(path.rglob("*")):
-        if file.suffix.lower() in TEXT_SUFFIXES and file.is_file():
-            check_utf8(file)
-    try:
-        with quiet_datasets():
-            return datasets.load_dataset(str(path), split=split)
-    except Exception as e:
-        raise DataError(f"{path}: cannot load split {split!r}: {_root_message(e)}") from None
-
-
-def check_utf8(path: Path) -> None:
-    """Raise DataError naming the line of the first byte that is not UTF-8."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    line = 1
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(1 << 20)
-            try:
-                decoder.decode(chunk, final=not chunk)
-            except UnicodeDecodeError as e:
-                # e.object is the decoder's buffer: this chunk plus at most 3 carried bytes, none a newline.
-                where = line + e.object[: e.start].count(b"\n")
-                raise DataError(
-                    f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {where}); "
-                    "re-save the file as UTF-8"
-                ) from None
-            if not chunk:
-                return
-            line += chunk.count(b"\n")
-
-
-def _diagnose(path: Path, split: str, error: Exception) -> DataError:
-    """Turn a failed load of a local file into a message naming the problem."""
-    if "split" in str(error).lower() and split != "train":
-        return DataError(
-            f"{path}: a single file holds one split, train, not {split!r}; point data.path at a directory "
-            "or dataset with that split, or hold out data.validation_fraction instead"
-        )
-    if BUILDERS[path.suffix.lower()] == "json":
-        problem = json_problem(path)
-        if problem:
-            return DataError(f"{path}: {problem}")
-    return DataError(f"{path}: cannot read it as {path.suffix[1:]}: {_root_message(error)}")
-
-
-def json_problem(path: Path) -> str | None:
-    """What is wrong with a JSON or JSON Lines file, or None when it parses as one of them."""
-    text = path.read_text(encoding="utf-8")
-    if not text.strip():
-        return "the file is empty"
-    try:
-        whole = json.loads(text)
-    except json.JSONDecodeError as e:
-        if e.msg != "Extra data":
-            return f"not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
-        whole = None  # more than one value: JSON Lines
-    if whole is not None:
-        if isinstance(whole, list) and all(isinstance(row, dict) for row in whole):
-            return "the JSON list has no rows" if not whole else None
-        if isinstance(whole, dict):
-            return None
-        return f"expected a JSON list of objects (or one object per line), got a {type(whole).__name__}"
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            return f"line {number} is not valid JSON: {e.msg} at column {e.colno}"
-        if not isinstance(row, dict):
-            return (
-                f"line {number} is a JSON {type(row).__name__}; each line must be an object with the columns"
-            )
-    return None
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
-def _root_message(error: BaseException) -> str:
-    """The innermost cause's message: `datasets` wraps the useful one in generic errors."""
-    while error.__cause__ is not None or error.__context__ is not None:
-        error = error.__cause__ or error.__context__
-    return f"{type(error).__name__}: {_first_line(error)}"
-
-
-@contextlib.contextmanager
-def quiet_datasets() -> Iterator[None]:
-    """Silence `datasets` logging and progress bars for local loads: failures are reported by us."""
-    import datasets
-
-    logger = logging.getLogger("datasets")
-    level, bars = logger.level, datasets.is_progress_bar_enabled()
-    logger.setLevel(logging.CRITICAL)
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-        if bars:
-            datasets.enable_progress_bars()

@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ligertune.data.formats import check_columns, tokenize_rows
+from ligertune.data.formats import Located, empty_rows_message, tokenize_rows
 from ligertune.data.packing import SequenceDataset, build_rows, truncate_and_mask
 from ligertune.data.prepared import DataStats, Log, PreparedData
-from ligertune.data.sources import SourceSpec, load_split, source_specs, stream_columns
+from ligertune.data.sources import SourceSpec, load_split, source_specs
 from ligertune.errors import DataError
 
 if TYPE_CHECKING:
@@ -65,16 +65,9 @@ class StreamingRows:
             chunk = list(itertools.islice(samples, CHUNK))
             tokenised = []
             for i, (spec, _, name) in enumerate(self.sources):
-                mine = [(row_number, row) for source, row_number, row in chunk if source == i]
+                mine = [name.row(row_number, row) for source, row_number, row in chunk if source == i]
                 if mine:
-                    tokenised += tokenize_rows(
-                        spec.format,
-                        mine,
-                        self.tokenizer,
-                        train_on_inputs=self.data.train_on_inputs,
-                        messages_field=spec.messages_field,
-                        source=name,
-                    )
+                    tokenised += _tokenise(spec, mine, self.tokenizer, self.data, name)
             kept, _, _ = truncate_and_mask(tokenised, self.data.max_seq_len)
             yield from build_rows(kept, self.data.max_seq_len, self.tokenizer.pad_token_id, self.data.packing)
 
@@ -101,14 +94,30 @@ class StreamingRows:
                 raise DataError(f"{name}: the stream has no rows")
 
 
+def _tokenise(spec: SourceSpec, rows: list, tokenizer, data, name: Located) -> list:
+    """`tokenize_rows`, refusing a row that teaches nothing at once (a stream has no end to count
+    them to; the cached path refuses them with counts)."""
+    samples = tokenize_rows(
+        spec.format,
+        rows,
+        tokenizer,
+        train_on_inputs=data.train_on_inputs,
+        messages_field=spec.messages_field,
+        source=str(name),
+    )
+    for (where, _), sample in zip(rows, samples, strict=True):
+        if sample.empty:
+            raise DataError(empty_rows_message([where], 1, len(rows), spec.format))
+    return samples
+
+
 def build_streaming(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, log: Log) -> PreparedData:
     data = recipe.data
     sources = []
     for spec in source_specs(recipe):
         stream, name = load_split(spec, spec.split, streaming=True)
-        check_columns(spec.format, stream_columns(stream), name, spec.messages_field)
         sources.append((spec, stream, name))
-    log(f"streaming {', '.join(name for _, _, name in sources)}: samples are tokenised while training")
+    log(f"streaming {', '.join(str(name) for _, _, name in sources)}: samples are tokenised while training")
     stats = DataStats(0, 0, 0, 0, 0, 0, data.max_seq_len, data.packing, streaming=True)
     validation = None
     if data.validation_split is not None:
@@ -122,15 +131,7 @@ def _materialise(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[Se
     samples = []
     for spec in source_specs(recipe):
         stream, name = load_split(spec, data.validation_split, streaming=True)
-        check_columns(spec.format, stream_columns(stream), name, spec.messages_field)
-        samples += tokenize_rows(
-            spec.format,
-            enumerate(stream),
-            tokenizer,
-            train_on_inputs=data.train_on_inputs,
-            messages_field=spec.messages_field,
-            source=name,
-        )
+        samples += _tokenise(spec, [name.row(i, row) for i, row in enumerate(stream)], tokenizer, data, name)
     kept, truncated, dropped = truncate_and_mask(samples, data.max_seq_len)
     dataset = build_rows(kept, data.max_seq_len, tokenizer.pad_token_id, data.packing)
     stats = DataStats(

@@ -15,6 +15,7 @@ from ligertune.config import Recipe
 from ligertune.distributed.runtime import ProcessGroupRuntime
 from ligertune.errors import RecipeError
 from ligertune.models.build import build_model
+from ligertune.run.safe_load import check_deepspeed_files
 
 
 class DeepSpeedRuntime(ProcessGroupRuntime):
@@ -183,9 +184,11 @@ class DeepSpeedRuntime(ProcessGroupRuntime):
     @classmethod
     def read_weights(cls, checkpoint, model):
         """The fp32 master weights of a ZeRO checkpoint, gathered from its partitions in one
-        process by DeepSpeed's own ``zero_to_fp32``."""
+        process by DeepSpeed's own ``zero_to_fp32``, which unpickles in full: only after
+        `check_deepspeed_files` found nothing but plain data in them."""
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
+        check_deepspeed_files(checkpoint.path, checkpoint.path / cls._TAG)
         return get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.path), tag=cls._TAG)
 
     def unwrap(self, model):
@@ -225,6 +228,8 @@ class DeepSpeedRuntime(ProcessGroupRuntime):
                     f"{checkpoint.world_size} processes, or start over with checkpoint.resume=none"
                 ]
             )
+        # DeepSpeed unpickles its files in full: only files that name nothing but plain data go to it.
+        check_deepspeed_files(checkpoint.path, checkpoint.path / self._TAG)
         loaded, _ = self.engine.load_checkpoint(
             str(checkpoint.path), tag=self._TAG, load_optimizer_states=True, load_lr_scheduler_states=False
         )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -13,6 +12,7 @@ from ligertune.catalog.strategies import FSDPParallel
 from ligertune.config import Recipe
 from ligertune.distributed.runtime import ProcessGroupRuntime, has_frozen_parameters
 from ligertune.models.build import build_model, decoder_layers
+from ligertune.run.safe_load import dcp_load
 
 
 class FSDPRuntime(ProcessGroupRuntime):
@@ -158,13 +158,9 @@ class FSDPRuntime(ProcessGroupRuntime):
     def read_weights(cls, checkpoint, model):
         """The model part of a "dcp" checkpoint, read in one process (DCP needs no process group to
         read: it loads in place into tensors of the requested shapes, whatever the saving
-        sharding)."""
-        import torch.distributed.checkpoint as dcp
-
+        sharding), without unpickling (`ligertune.run.safe_load`)."""
         state = {"model": {k: v.clone() for k, v in model.state_dict().items()}}
-        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, checkpoint_id=checkpoint.path / "dcp")
+        dcp_load(state, checkpoint.path / "dcp")
         return state["model"]
 
     def clip_grad_norm(self, model, max_norm):
@@ -192,7 +188,6 @@ class FSDPRuntime(ProcessGroupRuntime):
         dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=directory / "dcp")
 
     def load_state(self, checkpoint, model, optimizer):
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         self._check_format(checkpoint)
@@ -200,7 +195,8 @@ class FSDPRuntime(ProcessGroupRuntime):
         options = _state_options(model)
         model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
         state = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(state, checkpoint_id=checkpoint.path / "dcp")
+        # Without unpickling: DCP's own reader would run code planted in a copied checkpoint.
+        dcp_load(state, checkpoint.path / "dcp")
         set_state_dict(
             model,
             optimizer,

@@ -20,19 +20,16 @@ Parameter dtype by ``training.precision`` (see `ligertune.training` for the trad
 
 from __future__ import annotations
 
-import copy
-import difflib
 import inspect
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from ligertune.catalog.architectures import SHIPPED_CONFIGS
 from ligertune.catalog.families import FAMILIES
 from ligertune.errors import RecipeError
 from ligertune.models.attention import choose_attention
-from ligertune.paths import looks_local
+from ligertune.models.config import build_config, load_problem, model_source
 
 if TYPE_CHECKING:  # the schema is a layer above: models are built from its values, never import it
     from ligertune.config import Recipe
@@ -41,76 +38,6 @@ if TYPE_CHECKING:  # the schema is a layer above: models are built from its valu
 def param_dtype(precision: str) -> torch.dtype:
     """Storage dtype of the parameters for a `training.precision` value."""
     return torch.bfloat16 if precision == "bf16" else torch.float32
-
-
-def _model_source(recipe: Recipe) -> str:
-    name = recipe.model.name_or_path
-    return str(recipe.resolve(name)) if looks_local(name) else name
-
-
-def _load_problem(recipe: Recipe, what: str, error: Exception) -> RecipeError:
-    """A failed transformers load (no hub access, a wrong id, a gated repository, a folder without
-    weights) as a recipe error naming ``model.name_or_path``. transformers' own messages span
-    lines (and for an unrecognised model list every model type); the first line says what failed."""
-    revision = f" at revision {recipe.model.revision}" if recipe.model.revision else ""
-    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    if len(reason) > 300:
-        reason = reason[:300] + "..."
-    return RecipeError(
-        [
-            f"model.name_or_path: could not load the {what} of {recipe.model.name_or_path!r}{revision}: {reason} "
-            "(a hub id needs hub access or a local copy in the cache; a local path needs a Hugging Face model folder)"
-        ]
-    )
-
-
-def _unknown_keys_problem(unknown: list[str], known: list[str]) -> str:
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, known, n=1)
-        hints.append(f"{key} (did you mean {close[0]}?)" if close else key)
-    return (
-        f"model.config_overrides: not a field of this architecture's config: {', '.join(hints)}; "
-        f"known fields: {', '.join(sorted(k for k in known if not k.startswith('_')))}"
-    )
-
-
-def build_config(recipe: Recipe):
-    """The transformers config of the model to train, with the recipe's overrides applied."""
-    from transformers import AutoConfig
-
-    overrides = dict(recipe.model.config_overrides)
-    if recipe.model.config is None:
-        try:
-            config, unused = AutoConfig.from_pretrained(
-                _model_source(recipe),
-                trust_remote_code=recipe.model.trust_remote_code,
-                revision=recipe.model.revision,
-                return_unused_kwargs=True,
-                **overrides,
-            )
-        except (OSError, ValueError) as e:
-            raise _load_problem(recipe, "config", e) from None
-        if unused:
-            raise RecipeError([_unknown_keys_problem(sorted(unused), list(config.to_dict()))])
-        return config
-
-    if isinstance(recipe.model.config, str):
-        mapping = copy.deepcopy(SHIPPED_CONFIGS[recipe.model.config])
-    else:
-        mapping = copy.deepcopy(recipe.model.config)
-    model_type = mapping.pop("model_type")
-    try:
-        base = AutoConfig.for_model(model_type, **mapping)
-    except ValueError as e:
-        raise RecipeError([f"model.config: {e}"]) from None
-    # A config class stores any keyword it is given, so typos must be caught against the
-    # fields the class itself defines (plus those the mapping already set).
-    known = set(type(base)().to_dict()) | set(base.to_dict())
-    unknown = sorted(set(overrides) - known)
-    if unknown:
-        raise RecipeError([_unknown_keys_problem(unknown, sorted(known))])
-    return AutoConfig.for_model(model_type, **{**mapping, **overrides})
 
 
 def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
@@ -146,14 +73,14 @@ def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
         placement = {} if is_deepspeed_zero3_enabled() else dict(device_map=str(device))
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                _model_source(recipe),
+                model_source(recipe),
                 config=config,
                 revision=recipe.model.revision,
                 **placement,
                 **common,
             )
         except OSError as e:
-            raise _load_problem(recipe, "weights", e) from None
+            raise load_problem(recipe, "weights", e) from None
     else:
         torch.manual_seed(recipe.seed)
         with torch.device(device):
@@ -203,10 +130,10 @@ def _build_quantized(recipe: Recipe, config, device: torch.device, common: dict)
     if recipe.model.config is None:
         try:
             return AutoModelForCausalLM.from_pretrained(
-                _model_source(recipe), config=config, revision=recipe.model.revision, **load
+                model_source(recipe), config=config, revision=recipe.model.revision, **load
             )
         except OSError as e:
-            raise _load_problem(recipe, "weights", e) from None
+            raise load_problem(recipe, "weights", e) from None
     torch.manual_seed(recipe.seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, **common)

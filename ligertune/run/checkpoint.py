@@ -55,6 +55,17 @@ error is taken for a full disk when the filesystem has (almost) no free space le
 (`shutil.disk_usage`), checked before the partial files are removed.
 
 Everything is loaded with ``torch.load(weights_only=True)``: no pickled code runs on resume.
+The sharded formats' own files are read the same way (`ligertune.run.safe_load`).
+
+Links: a symbolic link under one of our names (``step-N``, ``.tmp-*``, ``.old-*``) is never
+followed. Listing skips links (`complete` lists real folders only), and replacing or pruning
+removes a link itself (`ligertune.files.remove_tree`), never what it points at; a run refuses
+such links up front (`ligertune.run.lock`).
+
+Any other failure to write a checkpoint (a read-only or unmounted ``output_dir``, a permission
+taken away mid-run) is a `TrainingError` of one line naming the file and the last good
+checkpoint, like a full disk; a failure to prune an old checkpoint is a warning (the new one is
+saved: nothing is lost but disk space).
 """
 
 from __future__ import annotations
@@ -76,6 +87,8 @@ import numpy as np
 import torch
 
 from ligertune.errors import TrainingError
+from ligertune.files import describe_os_error, real_directories, remove_tree
+from ligertune.run.loggers import LOGGER
 from ligertune.run.manifest import (
     COMPLETE,
     STATE_FILE,
@@ -83,6 +96,7 @@ from ligertune.run.manifest import (
     load_file,
     read_state,
     require_complete,
+    verify_checkpoint,
     write_manifest,
 )
 
@@ -107,7 +121,7 @@ def _fsync(path: Path) -> None:
 
 def _fsync_tree(root: Path) -> None:
     for path in root.rglob("*"):
-        if path.is_file():
+        if path.is_file() and not path.is_symlink():
             _fsync(path)
     _fsync(root)
 
@@ -125,24 +139,22 @@ def atomic_directory(final: Path) -> Iterator[Path]:
     between them leaves `final` missing but the old copy intact under ``.old-<name>``.
     """
     tmp = _temporary(final)
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    remove_tree(tmp)  # a leftover, or a link in its place: the link goes, never what it points at
     tmp.mkdir(parents=True)
     try:
         yield tmp
         _fsync_tree(tmp)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            remove_tree(tmp)
         raise
     old = final.with_name(f".old-{final.name}")
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
+    if os.path.lexists(final):  # rename moves a link itself; remove_tree then unlinks it
+        remove_tree(old)
         os.rename(final, old)
     os.rename(tmp, final)
     _fsync(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    remove_tree(old)
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,6 +191,13 @@ def _as_tuples(value: Any) -> Any:
 
 def _rng_file(rank: int) -> str:
     return f"rng-rank{rank}.pt"
+
+
+def missing_rng_files(path: Path, ranks: int) -> list[str]:
+    """The RNG files of ranks 0..`ranks`-1 that checkpoint `path` lacks (a checkpoint saved
+    before manifests existed, or copied without them): a resume then cannot restore those
+    ranks' random state and says so."""
+    return [name for name in map(_rng_file, range(ranks)) if not (path / name).is_file()]
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,14 +308,27 @@ class CheckpointManager:
         self.keep_last = keep_last
 
     def complete(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
-        if not self.root.is_dir():
-            return []
-        return sorted((p for p in self.root.iterdir() if is_complete(p)), key=step_of)
+        """Complete checkpoints, oldest first: real folders only (a link named step-N is not
+        ours, and is never loaded from or pruned through)."""
+        return sorted((p for p in real_directories(self.root) if is_complete(p)), key=step_of)
 
     def latest(self) -> Path | None:
         found = self.complete()
         return found[-1] if found else None
+
+    def newest_intact(self) -> tuple[Path | None, list[str]]:
+        """The newest complete checkpoint that `verify_checkpoint` passes (`resume: auto`, and
+        `generate`), and what is wrong with each newer one, passed over as damaged. None when no
+        checkpoint is intact (the list then says why each one is not)."""
+        damaged: list[str] = []
+        for candidate in reversed(self.complete()):
+            try:
+                verify_checkpoint(candidate)
+            except ValueError as e:
+                damaged.append(str(e))
+                continue
+            return candidate, damaged
+        return None, damaged
 
     def path_for(self, step: int) -> Path:
         return self.root / f"step-{step}"
@@ -359,16 +391,18 @@ class CheckpointManager:
                     write_manifest(directory)
                     (directory / COMPLETE).write_text(f"{step}\n")
         except OSError as e:
-            if e.errno not in _OUT_OF_SPACE:
-                raise
-            what = "no space left" if e.errno == errno.ENOSPC else "disk quota exceeded"
             kept = (
                 f"the last good checkpoint {last_good} is intact"
                 if last_good
                 else "no earlier checkpoint exists"
             )
+            if e.errno in _OUT_OF_SPACE:
+                what = "no space left" if e.errno == errno.ENOSPC else "disk quota exceeded"
+                raise TrainingError(
+                    f"{what} on {self.root} while saving step {step}; {kept}; free space and resume"
+                ) from e
             raise TrainingError(
-                f"{what} on {self.root} while saving step {step}; {kept}; free space and resume"
+                f"cannot save step {step} in {self.root}: {describe_os_error(e)}; {kept}; fix that and resume"
             ) from e
         if group.is_main:
             self._prune()
@@ -376,11 +410,14 @@ class CheckpointManager:
         return final
 
     def _prune(self) -> None:
-        for path in self.complete()[: -self.keep_last]:
-            shutil.rmtree(path)
-        # Half-written saves of processes that were killed; this job's own save is done.
-        for path in self.root.glob(".tmp-step-*"):
-            shutil.rmtree(path, ignore_errors=True)
+        """Old checkpoints beyond keep_last, and half-written saves of processes that were
+        killed (this job's own save is done). A failure is a warning: the new checkpoint is
+        saved, and only disk space is lost."""
+        for path in [*self.complete()[: -self.keep_last], *self.root.glob(".tmp-step-*")]:
+            try:
+                remove_tree(path)
+            except OSError as e:
+                LOGGER.warning(f"warning: cannot remove {path} ({describe_os_error(e)}); remove it by hand")
 
 
 def load_checkpoint(path: Path, rank: int = 0) -> Checkpoint:

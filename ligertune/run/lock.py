@@ -16,6 +16,13 @@ In a job of several processes only rank 0 takes the lock: the job's ranks share 
 On several nodes ``output_dir`` is on a shared filesystem; Linux maps ``flock`` on NFS to a
 POSIX lock the server arbitrates, so the lock holds across nodes there as well. A filesystem
 that supports no locks at all gets a warning and an unlocked run, not a refusal.
+
+Before the lock is taken, the names a run writes or deletes in its directory (`RUN_ENTRIES`,
+everything in ``checkpoints/``, leftover ``.tmp-*``/``.old-*`` folders) are looked at without
+following links (`check_run_directory`): a symbolic link under one of them would turn our
+writes, truncations and deletes into those of whatever it points at (``ligertune.files``
+explains), so a run refuses it, one line per link, before any work. ``output_dir`` itself may
+be a link (a run placed on another disk): that is the user's choice, made in the recipe.
 """
 
 from __future__ import annotations
@@ -29,9 +36,24 @@ import time
 import warnings
 from pathlib import Path
 
-from ligertune.errors import TrainingError
+from ligertune.errors import RecipeError, TrainingError
+from ligertune.files import links_among, open_nofollow
 
 LOCK_FILE = "run.lock"
+# What a run writes or deletes directly in its directory (the modules that write them name them
+# too; tests/test_faults.py plants a link under each): the lock, metrics (`ligertune.run.metrics`),
+# train.log and the metric loggers' files (`ligertune.run.loggers`), checkpoints and the exports.
+RUN_ENTRIES = (
+    LOCK_FILE,
+    "metrics.jsonl",
+    "train.log",
+    "checkpoints",
+    "final",
+    "final-merged",
+    "tensorboard",
+    "wandb",
+    "wandb-run-id",
+)
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 
 
@@ -54,10 +76,12 @@ class RunLock:
 
     @classmethod
     def acquire(cls, run_dir: Path) -> RunLock:
-        """Lock `run_dir` (created if missing) or raise TrainingError naming the run that holds it."""
+        """Lock `run_dir` (created if missing) or raise TrainingError naming the run that holds it;
+        RecipeError for links where the run writes (`check_run_directory`)."""
+        check_run_directory(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         path = run_dir / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -100,3 +124,24 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def check_run_directory(run_dir: Path) -> None:
+    """Refuse symbolic links under the names a run writes or deletes in `run_dir` (module
+    docstring): RecipeError naming ``output_dir`` and each link with its target."""
+    if not run_dir.is_dir():
+        return
+    candidates = [run_dir / name for name in RUN_ENTRIES]
+    candidates += sorted(p for p in run_dir.iterdir() if p.name.startswith((".tmp-", ".old-")))
+    checkpoints = run_dir / "checkpoints"
+    if checkpoints.is_dir() and not checkpoints.is_symlink():
+        candidates += sorted(checkpoints.iterdir())
+    links = links_among(candidates)
+    if links:
+        raise RecipeError(
+            [
+                f"output_dir: {link}; a run never writes or deletes through a link in its directory: "
+                "remove the link (to keep a run on another disk, point output_dir there)"
+                for link in links
+            ]
+        )

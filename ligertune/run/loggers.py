@@ -40,6 +40,8 @@ from typing import Any
 
 from rich.console import Console
 
+from ligertune.files import open_nofollow, write_new
+
 LOGGER = logging.getLogger("ligertune")
 
 # Width for output that is not a terminal: wide enough for the compare table of an ablation and
@@ -132,7 +134,13 @@ def console_handler() -> ConsoleHandler | None:
 class _TrainLog(logging.FileHandler):
     """train.log's handler. A full disk must not add a logging traceback to the run's one clear
     line about it (`ligertune.run.metrics` and the checkpoint save say "no space left on ..."):
-    a record or the final flush that cannot be written is dropped."""
+    a record or the final flush that cannot be written is dropped. The file is opened without
+    following a symbolic link (`ligertune.files`): a link named train.log is refused, not
+    appended through."""
+
+    def _open(self):  # logging's hook for opening the file
+        fd = open_nofollow(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        return os.fdopen(fd, "a", encoding=self.encoding, errors=self.errors)
 
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 (logging's name)
         if not isinstance(sys.exc_info()[1], OSError):
@@ -196,10 +204,15 @@ def scalars(record: Mapping[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardLogger:
-    def __init__(self, run_dir: Path, options: Mapping[str, Any], config: Mapping[str, Any]):
+    """Event files in ``run_dir/tensorboard``. A resumed run purges the events of the steps it
+    replays (after its start step), as ``metrics.jsonl`` marks them superseded."""
+
+    def __init__(
+        self, run_dir: Path, options: Mapping[str, Any], config: Mapping[str, Any], start_step: int = 0
+    ):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
 
     def log(self, prefix: str, values: Mapping[str, float], step: int) -> None:
         for key, value in values.items():
@@ -214,14 +227,16 @@ class WandbLogger:
     continues the same W&B run instead of starting a second one. ``WANDB_MODE=offline`` works as
     usual (the run syncs later with ``wandb sync``)."""
 
-    def __init__(self, run_dir: Path, options: Mapping[str, Any], config: Mapping[str, Any]):
+    def __init__(
+        self, run_dir: Path, options: Mapping[str, Any], config: Mapping[str, Any], start_step: int = 0
+    ):
         import wandb
 
         id_file = run_dir / "wandb-run-id"
         run_id = id_file.read_text().strip() if id_file.exists() else None
         if not run_id:
             run_id = uuid.uuid4().hex[:12]  # wandb ids are short [a-z0-9] strings
-            id_file.write_text(run_id + "\n")
+            write_new(id_file, run_id + "\n")  # never through a link (ligertune.files)
         self.run = wandb.init(
             project=options.get("wandb_project") or "ligertune",
             entity=options.get("wandb_entity"),
@@ -240,7 +255,9 @@ class WandbLogger:
 
 
 class MlflowLogger:
-    def __init__(self, run_dir: Path, options: Mapping[str, Any], config: Mapping[str, Any]):
+    def __init__(
+        self, run_dir: Path, options: Mapping[str, Any], config: Mapping[str, Any], start_step: int = 0
+    ):
         import mlflow
 
         if options.get("mlflow_tracking_uri"):
@@ -273,14 +290,18 @@ def _flatten(mapping: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def open_metric_loggers(
-    names: Sequence[str], run_dir: Path, options: Mapping[str, Any], config: Mapping[str, Any]
+    names: Sequence[str],
+    run_dir: Path,
+    options: Mapping[str, Any],
+    config: Mapping[str, Any],
+    start_step: int = 0,
 ) -> list[Any]:
     """One sink per selected name, in order. A package missing here (the recipe rule refuses it
     first; this is for library use that skipped the rules) is a warning and that sink is left out."""
     sinks = []
     for name in dict.fromkeys(names):
         try:
-            sinks.append(SINKS[name](run_dir, options, config))
+            sinks.append(SINKS[name](run_dir, options, config, start_step))
         except ImportError:
             extra = METRIC_LOGGERS[name][1]
             LOGGER.warning(

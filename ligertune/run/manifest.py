@@ -6,22 +6,25 @@ manifest goes in the atomic save and why sha256.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 import pickle
 import zipfile
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from ligertune.catalog.strategies import STRATEGIES
+from ligertune.files import digest_files, digest_problem, files_below
+
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
 STATE_FILE = "state.json"
 _READ_CHUNK = 16 * 2**20
+# What a checkpoint of each format holds besides its RNG states (`ligertune.run.checkpoint`): the
+# strategy's model and optimizer files, the schedule and the recipe. Checked by name for a
+# checkpoint saved before manifests existed, which has no list of its own.
+REQUIRED_FILES = {s.checkpoint_format: (*s.checkpoint_files, "trainer.pt", "recipe.yaml") for s in STRATEGIES}
 
 
 # --------------------------------------------------------------------------------------------
@@ -38,40 +41,14 @@ class DamagedCheckpoint(ValueError):
         super().__init__(f"checkpoint {path} is damaged: {problem}")
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_READ_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _parallel(function: Callable[[Path], Any], paths: list[Path]) -> list[Any]:
-    # hashlib and file reads release the GIL: the files of a checkpoint are read side by side.
-    with ThreadPoolExecutor(max_workers=max(1, min(8, os.cpu_count() or 1, len(paths)))) as pool:
-        return list(pool.map(function, paths))
-
-
 def _recorded_files(directory: Path) -> list[Path]:
     """Every file of a checkpoint directory but the manifest and the marker, sorted."""
-    return sorted(
-        p
-        for p in directory.rglob("*")
-        if p.is_file() and p.relative_to(directory).as_posix() not in (MANIFEST, COMPLETE)
-    )
+    return files_below(directory, leave_out=(MANIFEST, COMPLETE))
 
 
 def write_manifest(directory: Path) -> None:
     """Record the size and sha256 of every file in `directory` (see the module docstring)."""
-    files = _recorded_files(directory)
-    digests = _parallel(_sha256, files)
-    record = {
-        "algorithm": "sha256",
-        "files": {
-            path.relative_to(directory).as_posix(): {"size": path.stat().st_size, "sha256": digest}
-            for path, digest in zip(files, digests, strict=True)
-        },
-    }
+    record = {"algorithm": "sha256", "files": digest_files(directory, leave_out=(MANIFEST, COMPLETE))}
     (directory / MANIFEST).write_text(json.dumps(record, indent=1) + "\n")
 
 
@@ -104,37 +81,29 @@ def verify_checkpoint(path: Path) -> None:
     require_complete(path)
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
-        recorded = {name: (int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()}
     except FileNotFoundError:
         return _verify_without_manifest(path)
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise DamagedCheckpoint(path, f"{MANIFEST} cannot be read: {e!r}") from None
-    for name, (saved_size, _) in recorded.items():  # sizes first: every truncation, at no cost
-        file = path / name
-        if not file.is_file():
-            raise DamagedCheckpoint(path, f"{name} is missing")
-        size = file.stat().st_size
-        if size != saved_size:
-            hint = " (truncated)" if size < saved_size else ""
-            raise DamagedCheckpoint(path, f"{name} has {size} bytes, {saved_size} were saved{hint}")
-    names = sorted(recorded)
-    try:
-        digests = _parallel(_sha256, [path / name for name in names])
-    except OSError as e:
-        raise DamagedCheckpoint(
-            path, f"{Path(e.filename or '?').name} cannot be read: {e.strerror}"
-        ) from None
-    for name, digest in zip(names, digests, strict=True):
-        if digest != recorded[name][1]:
-            raise DamagedCheckpoint(path, f"{name} does not match the sha256 recorded when it was saved")
+    if not isinstance(files, dict):
+        raise DamagedCheckpoint(path, f"{MANIFEST} does not list the files")
+    problem = digest_problem(path, files)
+    if problem is not None:
+        raise DamagedCheckpoint(path, problem)
     read_state(path)
     return None
 
 
 def _verify_without_manifest(path: Path) -> None:
     """A checkpoint saved before manifests existed: the state parses, every file reads to its
-    end, every ``.pt`` file is a whole zip archive whose records match their CRC32s."""
-    read_state(path)
+    end, every ``.pt`` file is a whole zip archive whose records match their CRC32s, and the
+    files its format always has (`REQUIRED_FILES`) are there: without a list of what was saved,
+    a missing optimizer file would otherwise pass, and be refused only by the load, after
+    ``resume: auto`` had chosen this checkpoint over an older intact one."""
+    state = read_state(path)
+    for name in REQUIRED_FILES.get(state.get("format", "full"), ()):
+        if not (path / name).exists():
+            raise DamagedCheckpoint(path, f"{name} is missing")
     for file in _recorded_files(path):
         name = file.relative_to(path).as_posix()
         try:

@@ -39,7 +39,10 @@ Sinks
     writers), and a process killed or a disk filled mid-line leaves at most a torn last line.
     Opening the file again (a resume) repairs that: a last line without its newline, or one
     that is not JSON, is cut off with a warning, so the file is valid JSON lines again before
-    the first new record. A full disk while writing one is a `TrainingError` saying so.
+    the first new record; the records of the steps the resume replays are marked
+    ``"superseded": true`` (`ligertune.run.jsonl`). A full disk, a permission taken away or a
+    read-only filesystem while writing one is a `TrainingError` of one line saying so; every
+    file here is opened without following a symbolic link.
 """
 
 from __future__ import annotations
@@ -61,6 +64,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ligertune.errors import TrainingError
+from ligertune.files import describe_os_error, open_nofollow
+from ligertune.run.jsonl import METRICS_FILE, mark_superseded, repair_torn_tail
 from ligertune.run.loggers import (
     LOGGER,
     ConsoleHandler,
@@ -219,51 +224,6 @@ def format_train_line(record: dict[str, Any], total_steps: int) -> str:
     return " | ".join(parts)
 
 
-def _last_line_start(fd: int, end: int) -> int:
-    """Offset of the first byte after the last newline before `end` (0 if there is none)."""
-    block = 64 * 1024
-    position = end
-    while position > 0:
-        start = max(0, position - block)
-        found = os.pread(fd, position - start, start).rfind(b"\n")
-        if found >= 0:
-            return start + found + 1
-        position = start
-    return 0
-
-
-def repair_torn_tail(path: Path) -> str | None:
-    """Cut a torn last line off the JSON-lines file `path`: one without its newline (the
-    writer died or the disk filled mid-write), or one that is not a JSON object. Returns a
-    warning saying what was removed, or None when the file was whole (or absent)."""
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return None
-    try:
-        size = os.fstat(fd).st_size
-        if size == 0:
-            return None
-        ends_whole = os.pread(fd, 1, size - 1) == b"\n"
-        start = _last_line_start(fd, size - 1 if ends_whole else size)
-        line = os.pread(fd, size - start, start)
-        if ends_whole:
-            try:
-                if isinstance(json.loads(line), dict):
-                    return None
-            except ValueError:
-                pass
-        os.ftruncate(fd, start)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    why = "is not a JSON object" if ends_whole else "has no newline"
-    return (
-        f"warning: the last line of {path} {why} (a run stopped mid-write or the disk filled up); "
-        f"removed it ({size - start} bytes)"
-    )
-
-
 @dataclass
 class RunSummary:
     steps: int
@@ -333,8 +293,7 @@ class MetricsLogger:
         options: Mapping[str, Any] | None = None,
         config: Mapping[str, Any] | None = None,
     ):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = run_dir / "metrics.jsonl"
+        self.path = run_dir / METRICS_FILE
         self.total_steps = total_steps
         installed = console_handler()
         self._own_handler: ConsoleHandler | None = None
@@ -352,11 +311,24 @@ class MetricsLogger:
         else:
             self.console = installed.console
         self._quiet = (self._own_handler or installed).level > logging.INFO
-        self._train_log = open_train_log(run_dir)
-        repaired = repair_torn_tail(self.path)
-        if repaired:
-            LOGGER.warning(repaired)
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._train_log = self._fd = self._progress = None
+        self._sinks: list = []
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._train_log = open_train_log(run_dir)
+            repaired = repair_torn_tail(self.path)
+            if repaired:
+                LOGGER.warning(repaired)
+            superseded = mark_superseded(self.path, start_step)
+            if superseded:
+                LOGGER.info(
+                    f"marked {superseded} records of {self.path.name} after step {start_step} superseded: "
+                    "this run replays those steps"
+                )
+            self._fd = open_nofollow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        except OSError as e:
+            self.close()
+            raise TrainingError(f"cannot write the run's logs in {run_dir}: {describe_os_error(e)}") from e
         # --quiet: no bar either (warnings, errors and the summary only).
         use_rich = not self._quiet and (progress == "rich" or (progress == "auto" and sys.stdout.isatty()))
         self._progress = None
@@ -383,7 +355,7 @@ class MetricsLogger:
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
             self._progress.start()
         names = list(loggers) + (["tensorboard"] if tensorboard else [])
-        self._sinks = open_metric_loggers(names, run_dir, options or {}, config or {})
+        self._sinks = open_metric_loggers(names, run_dir, options or {}, config or {}, start_step)
 
     def info(self, message: str) -> None:
         LOGGER.info(message)
@@ -413,11 +385,14 @@ class MetricsLogger:
             while written < len(line):
                 written += os.write(self._fd, line[written:])
         except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                raise
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise TrainingError(
+                    f"no space left on {self.path.parent} while writing {self.path.name}; free space and "
+                    "resume from the last checkpoint (a torn last line is repaired on resume)"
+                ) from e
             raise TrainingError(
-                f"no space left on {self.path.parent} while writing {self.path.name}; free space and resume "
-                "from the last checkpoint (a torn last line is repaired on resume)"
+                f"cannot write {self.path}: {e.strerror or e}; make {self.path.parent} writable and resume "
+                "from the last checkpoint"
             ) from e
 
     def step_done(self, step: int, loss: float | None) -> None:

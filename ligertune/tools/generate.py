@@ -3,11 +3,12 @@
 What it takes (`resolve_source`), in this order:
 
 - a **run directory** (it has ``checkpoints/`` or ``final/``): its ``final/`` export when the run
-  finished with ``checkpoint.export_hf``; otherwise the newest complete checkpoint, whose own
-  ``recipe.yaml`` rebuilds the model (the recipe's architecture or base weights, without
-  transforms) before the checkpoint's weights are loaded into it, in whatever format the
-  strategy wrote: ``model.pt`` (none, ddp), ``dcp/`` (fsdp, read without a process group) or
-  ``deepspeed/`` (consolidated by DeepSpeed's ``zero_to_fp32``);
+  finished with ``checkpoint.export_hf``; otherwise the newest intact checkpoint (verified
+  against its manifest, as ``resume: auto`` does: a damaged newer one is passed over with a
+  warning), whose own ``recipe.yaml`` rebuilds the model (the recipe's architecture or base
+  weights, without transforms) before the checkpoint's weights are loaded into it, in whatever
+  format the strategy wrote: ``model.pt`` (none, ddp), ``dcp/`` (fsdp, read without a process
+  group) or ``deepspeed/`` (consolidated by DeepSpeed's ``zero_to_fp32``);
 - a **model directory** (a ``config.json``): a Hugging Face model, e.g. an export;
 - anything else is taken for a **hub id** (offline, or without access: one error line).
 
@@ -17,6 +18,12 @@ temperature 0 (the default, so two runs print the same) and sampling above it. W
 with the generation prompt appended, as a chat model was trained to see it; ``--no-chat`` (or
 no template) sends the raw text. CUDA when there is a GPU (weights in their saved dtype), else
 the CPU in fp32.
+
+Nothing loaded runs code (README, "What is safe to load"): checkpoint files are read with
+``torch.load(weights_only=True)`` and the sharded formats through `ligertune.run.safe_load`;
+custom modeling or tokenizer code (``auto_map``) runs only with ``--trust-remote-code`` on this
+command line. A recipe stored in a run directory cannot grant it: its
+``model.trust_remote_code`` is replaced by the command line's choice.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from ligertune.distributed import Runtime
 from ligertune.errors import DataError, RecipeError, UsageError
 from ligertune.models.build import build_model
 from ligertune.run.checkpoint import CheckpointManager, load_checkpoint
+from ligertune.run.manifest import DamagedCheckpoint
 
 
 class GenerateError(UsageError):
@@ -47,6 +55,7 @@ class Source:
 
     model: str  # a folder or hub id for from_pretrained; the checkpoint folder otherwise
     checkpoint: Path | None = None
+    passed_over: tuple[str, ...] = ()  # a warning for each newer checkpoint found damaged
 
     def describe(self) -> str:
         return f"checkpoint {self.checkpoint}" if self.checkpoint else self.model
@@ -70,13 +79,16 @@ def resolve_source(run_or_model: str) -> Source:
         if (path / "config.json").is_file():
             return Source(str(path))
         if (path / "checkpoints").is_dir() or (path / "final").is_dir():
-            latest = CheckpointManager(path / "checkpoints", keep_last=1).latest()
+            latest, damaged = CheckpointManager(path / "checkpoints", keep_last=1).newest_intact()
+            if latest is None and damaged:
+                raise GenerateError(f"{path} has no intact checkpoint: {'; '.join(damaged)}")
             if latest is None:
                 raise GenerateError(
                     f"{path} is a run directory with neither a final/ export nor a complete checkpoint; "
                     "train it further, or set checkpoint.export_hf=true"
                 )
-            return Source(str(latest), checkpoint=latest)
+            passed_over = tuple(f"warning: {problem}; passed over it, using {latest}" for problem in damaged)
+            return Source(str(latest), checkpoint=latest, passed_over=passed_over)
         raise GenerateError(
             f"{path} is a folder but neither a run directory nor a Hugging Face model (no config.json)"
         )
@@ -93,31 +105,53 @@ def _first_line(error: Exception) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
 
 
-def load_for_generation(source: Source, device: torch.device) -> tuple[nn.Module, object]:
-    """(model in eval mode with its KV cache on, tokenizer)."""
+def load_for_generation(
+    source: Source, device: torch.device, trust_remote_code: bool = False
+) -> tuple[nn.Module, object]:
+    """(model in eval mode with its KV cache on, tokenizer). `trust_remote_code`: the command
+    line's ``--trust-remote-code``, the only thing that lets custom modeling code run."""
     if source.checkpoint is not None:
-        model, tokenizer = _from_checkpoint(source.checkpoint, device)
+        model, tokenizer = _from_checkpoint(source.checkpoint, device, trust_remote_code)
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source.model)
+            tokenizer = AutoTokenizer.from_pretrained(source.model, trust_remote_code=trust_remote_code)
             model = AutoModelForCausalLM.from_pretrained(
-                source.model, dtype="auto" if device.type == "cuda" else torch.float32, device_map=str(device)
+                source.model,
+                dtype="auto" if device.type == "cuda" else torch.float32,
+                device_map=str(device),
+                trust_remote_code=trust_remote_code,
             )
-        except (OSError, ValueError) as e:
+        except Exception as e:  # transformers, safetensors (a damaged export), the hub: one line each
             raise GenerateError(
-                f"cannot load {source.model!r}: {_first_line(e)} (a hub id needs hub access or a copy in the "
-                "cache: `ligertune download`)"
+                f"cannot load {source.model!r}: {_first_line(e)}{_remote_code_hint(e, trust_remote_code)} "
+                "(a hub id needs hub access or a copy in the cache: `ligertune download`)"
             ) from None
     model.config.use_cache = True
     return model.eval(), tokenizer
 
 
-def _from_checkpoint(checkpoint: Path, device: torch.device) -> tuple[nn.Module, object]:
-    """The model of a resumable checkpoint: rebuilt from the run's recipe, weights loaded."""
+def _remote_code_hint(error: Exception, trusted: bool) -> str:
+    # transformers' words for a config or tokenizer that names its own code (auto_map).
+    if trusted or not any(words in str(error) for words in ("trust_remote_code", "custom code")):
+        return ""
+    return "; it needs its own modeling code: pass --trust-remote-code if you trust that code"
+
+
+def _from_checkpoint(
+    checkpoint: Path, device: torch.device, trust_remote_code: bool
+) -> tuple[nn.Module, object]:
+    """The model of a resumable checkpoint: rebuilt from the run's recipe, weights loaded. The
+    stored recipe's ``model.trust_remote_code`` is replaced by `trust_remote_code` (the command
+    line's): a recipe that came with a run directory cannot grant it."""
+    overrides = [
+        "training.precision=fp32",
+        "training.device=cpu",
+        f"model.trust_remote_code={trust_remote_code}",
+    ]
     try:
-        recipe = load_recipe(checkpoint / "recipe.yaml", ["training.precision=fp32", "training.device=cpu"])
+        recipe = load_recipe(checkpoint / "recipe.yaml", overrides)
         tokenizer = load_tokenizer(recipe)
         torch.manual_seed(recipe.seed)
         model = build_model(recipe, torch.device("cpu"))
@@ -125,13 +159,17 @@ def _from_checkpoint(checkpoint: Path, device: torch.device) -> tuple[nn.Module,
         detail = "; ".join(e.problems) if isinstance(e, RecipeError) else str(e)
         raise GenerateError(
             f"cannot rebuild the model of {checkpoint} from its recipe.yaml: {detail}"
+            + _remote_code_hint(e, trust_remote_code)
         ) from None
-    state = load_checkpoint(checkpoint)
-    reader = Runtime.reading(state.format)
-    if reader is None:
-        raise GenerateError(f"{checkpoint}: unknown checkpoint format {state.format!r}")
-    with contextlib.redirect_stdout(sys.stderr):  # a reader's progress prints; stdout is the completion's
-        weights = reader.read_weights(state, model)
+    try:
+        state = load_checkpoint(checkpoint)
+        reader = Runtime.reading(state.format)
+        if reader is None:
+            raise GenerateError(f"{checkpoint}: unknown checkpoint format {state.format!r}")
+        with contextlib.redirect_stdout(sys.stderr):  # a reader's progress prints; stdout is the completion's
+            weights = reader.read_weights(state, model)
+    except DamagedCheckpoint as e:
+        raise GenerateError(str(e)) from None
     missing, unexpected = model.load_state_dict(weights, strict=False)
     # A tied head is saved once by some formats; anything else missing is a wrong checkpoint.
     tied = {"lm_head.weight"} if model.lm_head.weight is model.get_input_embeddings().weight else set()
@@ -151,6 +189,7 @@ def generate(
     temperature: float = 0.0,
     chat: bool = True,
     device: torch.device | None = None,
+    trust_remote_code: bool = False,
 ) -> Generation:
     """Complete `prompt` with the model `run_or_model` names (see the module docstring)."""
     if max_new_tokens <= 0:
@@ -163,7 +202,7 @@ def generate(
     source = resolve_source(run_or_model)
     hf_logging.disable_progress_bar()  # "Loading weights" bars around a one-line answer
     try:
-        model, tokenizer = load_for_generation(source, device)
+        model, tokenizer = load_for_generation(source, device, trust_remote_code)
     finally:
         hf_logging.enable_progress_bar()
     use_chat = chat and bool(getattr(tokenizer, "chat_template", None))

@@ -12,6 +12,7 @@ from torch import nn
 from ligertune.config.schema import ExportSection
 from ligertune.distributed import Runtime
 from ligertune.errors import TrainingError
+from ligertune.files import describe_os_error
 from ligertune.lora import is_adapted, merged_state_dict, save_adapter
 from ligertune.run.checkpoint import atomic_directory
 
@@ -22,7 +23,21 @@ def export_hf(model: nn.Module, tokenizer, runtime: Runtime, directory: Path, *,
     written in their training dtype (fp32 for ``bf16-mixed``), so the export is exact.
 
     A LoRA run (a peft model) writes the adapter instead (`_export_lora`), and with `merge`
-    (``export.merge_lora``) a merged plain model beside it."""
+    (``export.merge_lora``) a merged plain model beside it.
+
+    Written atomically (`atomic_directory`, which replaces a link in the export's place rather
+    than writing through it); a folder that cannot be written is a `TrainingError` of one line:
+    the run is complete and checkpointed, so a resume after the fix only exports."""
+    try:
+        return _export(model, tokenizer, runtime, directory, merge)
+    except OSError as e:
+        raise TrainingError(
+            f"cannot write the export {directory}: {describe_os_error(e)}; the run's last checkpoint is "
+            "kept: fix that and resume (a resumed complete run only exports)"
+        ) from e
+
+
+def _export(model: nn.Module, tokenizer, runtime: Runtime, directory: Path, merge: bool) -> Path:
     from transformers.utils import logging as hf_logging
 
     state = runtime.full_model_state_dict(model)

@@ -38,6 +38,21 @@ Resuming with a changed recipe (`recipe_changes`)
 
 A state dict that still does not fit (a plugin that adds parameters, a hand-edited
 ``recipe.yaml``) is refused with the first mismatch, not a traceback.
+
+Changed data (`check_data`)
+    The recipe can be unchanged while its data file is not (rows appended between a stop and a
+    resume): the same position would then name other rows, with a new shuffle and a new
+    validation hold-out, so rows would repeat and validation rows leak into training. Each
+    checkpoint records a digest of the tokenised samples it was trained on
+    (``ligertune.data.pipeline.data_fingerprint``); a resume whose data digests otherwise is
+    refused (`RecipeError`, exit status 2), unless ``checkpoint.data_changed: restart_epoch``
+    says to keep the weights, optimizer and schedule and start the checkpoint's epoch over, from
+    its first micro-batch, on the new data (logged as a warning). A checkpoint saved before
+    digests existed cannot be checked, and the log says so; a streamed run has no digest.
+
+A checkpoint without a manifest that also lacks some rank's RNG file resumes with that rank's
+random state as it is, and the log says so (the manifest of newer checkpoints makes a missing
+file a damaged checkpoint instead).
 """
 
 from __future__ import annotations
@@ -54,22 +69,61 @@ from ligertune.catalog.objectives import OBJECTIVES
 from ligertune.catalog.strategies import STRATEGIES
 from ligertune.catalog.strategies.base import PRECISION_SAVED
 from ligertune.config import Recipe
+from ligertune.config.loading import load_yaml
 from ligertune.distributed import Runtime
 from ligertune.errors import RecipeError
-from ligertune.run.checkpoint import CheckpointManager, load_checkpoint, restore_rng_state
+from ligertune.run.checkpoint import CheckpointManager, load_checkpoint, missing_rng_files, restore_rng_state
 from ligertune.run.manifest import DamagedCheckpoint, verify_checkpoint
 from ligertune.training.optim import apply_hyperparameters
 from ligertune.training.state import TrainState
 
 
-def data_order(recipe: Recipe, world_size: int) -> dict[str, Any]:
-    """The inputs of the data order, as saved with every checkpoint."""
+def data_order(recipe: Recipe, world_size: int, samples: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The inputs of the data order, as saved with every checkpoint; `samples` is the data's
+    fingerprint (module docstring: changed data)."""
     return {
         "seed": recipe.seed,
         "micro_batch_size": recipe.training.micro_batch_size,
         "world_size": world_size,
         "data": recipe.data.model_dump(mode="json"),
+        "samples": samples,
     }
+
+
+def _describe_samples(fingerprint: dict[str, Any]) -> str:
+    counts = [f"{fingerprint[split]:,} {split}" for split in ("train", "validation") if split in fingerprint]
+    return " and ".join(counts) + " samples"
+
+
+def check_data(saved, current: dict[str, Any] | None, recipe: Recipe) -> tuple[bool, list[str]]:
+    """Whether the resume restarts the saved epoch on changed data, and its log lines. Raises
+    RecipeError for changed data unless ``checkpoint.data_changed`` is restart_epoch."""
+    order = saved.state.get("order") or {}
+    if current is None:
+        return False, []
+    if "samples" not in order:
+        return False, [
+            f"warning: {saved.path} records no digest of its data (saved by an older version): the data is not checked"
+        ]
+    before = order["samples"]
+    if before == current:
+        return False, []
+    then, now = _describe_samples(before or {}), _describe_samples(current)
+    change = f"{then} then, {now} now" if then != now else f"{now}, with other content"
+    if recipe.checkpoint.data_changed == "restart_epoch":
+        return True, [
+            f"warning: the data is not what {saved.path} was trained on ({change}); checkpoint.data_changed="
+            f"restart_epoch: epoch {saved.state['epoch'] + 1} starts over on the new data at step {saved.step}"
+        ]
+    raise RecipeError(
+        [
+            f"data: the data is not what {saved.path} was trained on ({change}): resuming at its position "
+            "would repeat rows and move rows between training and validation. Restore the data, start over "
+            "(checkpoint.resume=none or another output_dir), or set checkpoint.data_changed=restart_epoch to keep "
+            "the weights and start the epoch over on the new data"
+        ],
+        f"resuming {saved.path}",
+    )
 
 
 def resume_path(recipe: Recipe, manager: CheckpointManager) -> tuple[Path | None, list[str]]:
@@ -90,19 +144,16 @@ def resume_path(recipe: Recipe, manager: CheckpointManager) -> tuple[Path | None
         except ValueError as e:
             raise RecipeError([f"checkpoint.resume: {e}"]) from None
         return path, []
-    passed_over: list[str] = []
-    for candidate in reversed(manager.complete()):
-        try:
-            verify_checkpoint(candidate)
-        except ValueError as e:
-            passed_over.append(f"warning: {e}; passed over it")
-            continue
-        return candidate, [f"{line}, resuming from {candidate}" for line in passed_over]
-    if passed_over:
+    candidate, damaged = manager.newest_intact()
+    if candidate is not None:
+        return candidate, [
+            f"warning: {problem}; passed over it, resuming from {candidate}" for problem in damaged
+        ]
+    if damaged:
         raise RecipeError(
             [
                 f"checkpoint.resume: auto found no intact checkpoint in {manager.root}:",
-                *(line.removeprefix("warning: ") for line in passed_over),
+                *(f"{problem}; passed over it" for problem in damaged),
                 "restore one (from a copy) or start over with checkpoint.resume=none",
             ]
         )
@@ -223,7 +274,12 @@ def _flatten(mapping: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def _saved_recipe(recipe_yaml: str) -> dict[str, Any]:
     """The saved recipe as the current schema reads it, so keys added since it was saved
     compare at their defaults; as written when the current schema no longer reads it."""
-    raw = yaml.safe_load(recipe_yaml) or {}
+    try:  # with the recipe loader's bounds: a copied checkpoint's recipe.yaml may be anything
+        raw = load_yaml(recipe_yaml) or {}
+    except yaml.YAMLError as e:
+        raise RecipeError([f"checkpoint.resume: the checkpoint's recipe.yaml cannot be read: {e}"]) from None
+    if not isinstance(raw, dict):
+        raise RecipeError(["checkpoint.resume: the checkpoint's recipe.yaml is not a mapping of sections"])
     try:
         return Recipe.model_validate(raw).model_dump(mode="json")
     except ValidationError:
@@ -321,11 +377,19 @@ def _load_state(saved, runtime: Runtime, model, optimizer) -> None:
 
 
 def resume(
-    path: Path, runtime: Runtime, model, optimizer, scheduler, recipe: Recipe, total_steps: int
+    path: Path,
+    runtime: Runtime,
+    model,
+    optimizer,
+    scheduler,
+    recipe: Recipe,
+    total_steps: int,
+    data_fingerprint: dict[str, Any] | None = None,
 ) -> Resumed:
     """Load checkpoint `path` into the wrapped model, optimizer and schedule (every rank), after
-    checking that `recipe` changes nothing the checkpoint cannot honour; the optimizer's
-    hyper-parameters and the lr are then the current recipe's (`recipe_changes`)."""
+    checking that `recipe` changes nothing the checkpoint cannot honour and that the data is the
+    one it was trained on (`check_data`); the optimizer's hyper-parameters and the lr are then
+    the current recipe's (`recipe_changes`)."""
     try:
         saved = load_checkpoint(path, runtime.rank)
     except ValueError as e:
@@ -340,19 +404,30 @@ def resume(
     )
     if refused:
         raise RecipeError(refused, f"resuming {saved.path}")
+    # After the recipe's keys: a changed key (seed, data.*) is named as such, not as other data.
+    restart_epoch, data_lines = check_data(saved, data_fingerprint, recipe)
     try:
         _load_state(saved, runtime, model, optimizer)
     except DamagedCheckpoint as e:  # a file torch cannot read (a checkpoint without a manifest)
         raise RecipeError([f"checkpoint.resume: {e}"]) from None
     scheduler.load_state_dict(saved.scheduler)
     apply_hyperparameters(optimizer, scheduler, recipe.training)
-    if saved.rng is not None:  # None: this rank did not exist in the saving job
+    if saved.rng is not None:  # None: this rank did not exist in the saving job, or its file is missing
         restore_rng_state(saved.rng)
     state = TrainState.from_checkpoint(saved.step, saved.state, saved.path)
+    if restart_epoch:
+        state.batch_index = 0
     lines = [
+        *data_lines,
         f"resumed from {saved.path} (step {state.step}, epoch {state.epoch}, micro-batch {state.batch_index})",
         *applied,
     ]
+    missing = missing_rng_files(saved.path, min(saved.world_size, runtime.world_size))
+    if missing:
+        lines.append(
+            f"warning: {saved.path} has no {', '.join(missing)}: the random state (dropout, sampling) of "
+            "those ranks is not restored, so the run will not repeat an uninterrupted one exactly"
+        )
     if state.step >= total_steps:
         lines.append(
             f"the run is already complete ({state.step} of {total_steps} steps); to train again, set a new "

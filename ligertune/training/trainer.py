@@ -151,7 +151,7 @@ class Trainer:
         torch.manual_seed(recipe.seed)
         self.parts = parts = build(recipe, runtime, self.log)
         self.checkpoints = CheckpointManager(recipe.run_dir / "checkpoints", recipe.checkpoint.keep_last)
-        self.order = data_order(recipe, runtime.world_size)
+        self.order = data_order(recipe, runtime.world_size, parts.data.datasets.fingerprint)
         resumed_message = self._resume()
         if runtime.is_main:
             self._start_log(resolved.message, resumed_message)
@@ -170,7 +170,14 @@ class Trainer:
         if path is None:
             return None
         resumed = resume(
-            path, self.runtime, parts.model, parts.optimizer, parts.scheduler, recipe, parts.data.total_steps
+            path,
+            self.runtime,
+            parts.model,
+            parts.optimizer,
+            parts.scheduler,
+            recipe,
+            parts.data.total_steps,
+            parts.data.datasets.fingerprint,
         )
         self.state = resumed.state
         if self.state.step == 0:

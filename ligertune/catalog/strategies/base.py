@@ -55,6 +55,9 @@ class ParallelOptions(Section):
     label: ClassVar[str] = ""  # how logs and the plan name it
     multi_process: ClassVar[bool] = True  # joins a process group (torchrun, or a job of one)
     checkpoint_format: ClassVar[str] = "full"  # `ligertune.run.checkpoint` says what "full" holds
+    # What a checkpoint of that format holds of the model and optimizer (checked by name in a
+    # checkpoint saved before manifests existed, which has no list of its own).
+    checkpoint_files: ClassVar[tuple[str, ...]] = ("model.pt", "optimizer.pt")
     # Changed options keys (relative to ``parallel.``) a resume accepts or refuses.
     resume_rules: ClassVar[dict[str, ResumeRule]] = {}
     # A resume must run on as many processes as saved the checkpoint (one file per rank).

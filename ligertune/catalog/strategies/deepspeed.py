@@ -59,6 +59,7 @@ class DeepSpeedParallel(ParallelOptions):
     summary: ClassVar[str] = "DeepSpeed ZeRO stage 1/2/3 (optimizer state, gradients, parameters sharded)"
     label: ClassVar[str] = "ZeRO"
     checkpoint_format: ClassVar[str] = "deepspeed"
+    checkpoint_files: ClassVar[tuple[str, ...]] = ("deepspeed",)
     resume_rules: ClassVar[dict[str, ResumeRule]] = {
         "deepspeed": "a ZeRO checkpoint loads only into the DeepSpeed configuration that saved it"
     }

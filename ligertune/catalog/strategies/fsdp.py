@@ -64,6 +64,7 @@ class FSDPParallel(ParallelOptions):
     summary: ClassVar[str] = "FSDP2 fully_shard: parameters, gradients and optimizer state sharded"
     label: ClassVar[str] = "FSDP2"
     checkpoint_format: ClassVar[str] = "dcp"
+    checkpoint_files: ClassVar[tuple[str, ...]] = ("dcp/.metadata",)
     resume_rules: ClassVar[dict[str, ResumeRule]] = {
         "fsdp.reshard_after_forward": None,
         "fsdp.cpu_offload": None,

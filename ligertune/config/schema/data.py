@@ -7,6 +7,12 @@ from pydantic import Field
 from ligertune.catalog.formats import DataFormat
 from ligertune.catalog.section import Section
 
+# Upper bounds of the fields that size what the data pipeline allocates (a row of max_seq_len
+# tokens; with a mix, an index of max_samples rows), far above real runs: a typo is refused by
+# `validate` rather than exhausting memory.
+MAX_SEQ_LEN = 2**22
+MAX_SAMPLES = 2**28
+
 
 class DataSource(Section):
     """One dataset of ``data.mix``; unset keys take the data section's value."""
@@ -49,7 +55,10 @@ class DataSection(Section):
         0.0, ge=0.0, lt=1.0, description="Fraction of the training split held out for evaluation."
     )
     max_seq_len: int = Field(
-        2048, gt=0, description="Tokens per sequence; longer samples are truncated (and counted)."
+        2048,
+        gt=0,
+        le=MAX_SEQ_LEN,
+        description="Tokens per sequence; longer samples are truncated (and counted).",
     )
     packing: bool = Field(
         True, description="Concatenate samples into max_seq_len rows, attention kept within each sample."
@@ -60,7 +69,10 @@ class DataSection(Section):
         description="Column holding the conversation (default: messages for chat, conversations for sharegpt).",
     )
     max_samples: int | None = Field(
-        None, gt=0, description="Use only the first N samples (after shuffling); with mix: the mix's size."
+        None,
+        gt=0,
+        le=MAX_SAMPLES,
+        description="Use only the first N samples (after shuffling); with mix: the mix's size.",
     )
     shuffle: bool = Field(True, description="Shuffle samples (seeded by the recipe seed).")
     streaming: bool = Field(

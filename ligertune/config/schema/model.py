@@ -26,7 +26,7 @@ class LoraSection(Section):
     """LoRA adapters through peft: every base weight frozen, W·x + (alpha/r)·B·A·dropout(x) on the target
     linear layers, only A and B (and modules_to_save) trained."""
 
-    r: int = Field(16, gt=0, description="Rank of the adapters (A is r × in, B is out × r).")
+    r: int = Field(16, gt=0, le=2**16, description="Rank of the adapters (A is r × in, B is out × r).")
     alpha: float = Field(
         32, gt=0, description="Scale numerator: the update is (alpha/r)·B·A (alpha/√r with use_rslora)."
     )

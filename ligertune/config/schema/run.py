@@ -51,6 +51,12 @@ class CheckpointSection(Section):
     resume: str = Field(
         "auto", description="auto (newest complete checkpoint in output_dir), none, or a checkpoint path."
     )
+    data_changed: Literal["refuse", "restart_epoch"] = Field(
+        "refuse",
+        description="When the data differs from what the checkpoint was trained on (its samples' digest): "
+        "refuse the resume, or restart_epoch: keep the weights, optimizer and schedule and start the "
+        "checkpoint's epoch over on the new data (rows trained on may land in validation).",
+    )
     export_hf: bool = Field(
         True, description="Write a Hugging Face model (safetensors + config + tokenizer) at the end."
     )

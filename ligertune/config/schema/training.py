@@ -15,6 +15,13 @@ from ligertune.catalog.section import AdamBeta, Section
 CHECKPOINT_MODULES = ("attention", "mlp")
 
 
+# Upper bounds of the fields that size what a step allocates, far above any real run, so that a
+# typo (10**9) is refused by `validate` instead of exhausting memory at the first step.
+MAX_MICRO_BATCH = 2**16
+MAX_ACCUMULATION = 2**14  # the micro-batches of one step are held together on the host
+MAX_GLOBAL_BATCH = 2**20
+
+
 class TrainingSection(Section):
     epochs: int = Field(1, gt=0, description="Passes over the training data (ignored when max_steps is set).")
     max_steps: int | None = Field(None, gt=0, description="Optimizer steps to run; overrides epochs.")
@@ -26,11 +33,13 @@ class TrainingSection(Section):
     gradient_accumulation_steps: int = Field(
         1,
         gt=0,
+        le=MAX_ACCUMULATION,
         description="Micro-batches per optimizer step (with micro_batch_size auto and global_batch_size: derived).",
     )
     global_batch_size: int | None = Field(
         None,
         gt=0,
+        le=MAX_GLOBAL_BATCH,
         description="Sequences per optimizer step over all ranks, kept when micro_batch_size is auto "
         "(gradient accumulation makes up the rest); unset: gradient_accumulation_steps stays as written.",
     )
@@ -122,6 +131,10 @@ class TrainingSection(Section):
             raise ValueError(f"got {value!r}; input should be a valid integer, or auto")
         if value <= 0:
             raise ValueError(f"got {value!r}; input should be greater than 0, or auto")
+        if value > MAX_MICRO_BATCH:
+            raise ValueError(
+                f"got {value!r}; input should be less than or equal to {MAX_MICRO_BATCH}, or auto"
+            )
         return value
 
     @field_validator("activation_checkpointing", mode="wrap")
