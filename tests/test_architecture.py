@@ -190,3 +190,17 @@ def test_every_catalog_kernel_is_a_recipe_key_a_patch_and_a_bench_case():
     assert set(PATCHES) == set(KERNEL_NAMES), "every kernel of the catalog has a @patches function"
     for name in KERNEL_NAMES:
         assert name in SPECS, f"add a bench case named {name!r} to ligertune/tools/bench/cases.py"
+
+
+def test_what_another_module_imports_has_a_public_name():
+    """A helper another module imports is part of its module's interface: no leading underscore."""
+    private = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ligertune"):
+                private += [
+                    f"{path.relative_to(ROOT)}: {node.module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                ]
+    assert not private, "private names imported from another module:\n" + "\n".join(private)

@@ -117,11 +117,11 @@ def usage(message: str) -> UsageError:
     return UsageError(message)
 
 
-def _print_problems(header: str, problems: list[str]) -> None:
+def print_problems(header: str, problems: list[str]) -> None:
     err_console.print(f"[bold red]✗[/] {escape(header)}", highlight=False, soft_wrap=True)
     for problem in problems:
         err_console.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
 
 
-def _print_line(line: str) -> None:
+def print_line(line: str) -> None:
     console.print(line, markup=False, highlight=False, soft_wrap=True)

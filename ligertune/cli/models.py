@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from ligertune.cli.common import _print_line, command, console, err_console
+from ligertune.cli.common import command, console, err_console, print_line
 from ligertune.config import load_recipe
 
 
@@ -84,7 +84,7 @@ def download(
     """
     from ligertune.tools.hub import download as run_download
 
-    done = run_download(load_recipe(recipe, overrides or []), report=_print_line)
+    done = run_download(load_recipe(recipe, overrides or []), report=print_line)
     if not done:
         console.print(
             "nothing to download: the recipe's model, tokenizer and data are local", highlight=False

@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 from rich.markup import escape
 
-from ligertune.cli.common import _print_problems, command, console, recipes_app, usage
+from ligertune.cli.common import command, console, print_problems, recipes_app, usage
 from ligertune.config import load_recipe, recipe_to_yaml, shipped_recipes
 from ligertune.config.rules import model_problems
 from ligertune.errors import RecipeError
@@ -66,13 +66,13 @@ def validate(
             recipe = load_recipe(file, overrides)
         except RecipeError as e:
             failed = True
-            _print_problems(file, e.problems)
+            print_problems(file, e.problems)
             continue
         # Everything train refuses before building the model, validate refuses too.
         problems = model_problems(recipe)
         if problems:
             failed = True
-            _print_problems(file, problems)
+            print_problems(file, problems)
             continue
         if fmt is Format.yaml:
             console.print(recipe_to_yaml(recipe), markup=False, highlight=False)
@@ -86,7 +86,7 @@ def validate(
                 result = check_recipe(recipe)
             except RecipeError as e:
                 failed = True
-                _print_problems(f"{file} (--check)", e.problems)
+                print_problems(f"{file} (--check)", e.problems)
                 continue
             console.print(str(result.report), markup=False, highlight=False, soft_wrap=True)
             console.print(str(result), markup=False, highlight=False, soft_wrap=True)

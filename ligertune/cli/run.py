@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from ligertune.cli import common
-from ligertune.cli.common import _print_line, command, console, usage
+from ligertune.cli.common import command, console, print_line, usage
 from ligertune.config import load_recipe
 from ligertune.config.loading import resolve_recipe_path
 from ligertune.config.rules import model_problems
@@ -136,8 +136,8 @@ def preprocess(
         )
     if not loaded.data.cache:
         raise usage("data.cache is false: set it to true (the default) to keep the tokenised samples")
-    directory, existed = cache_entry(loaded, load_tokenizer(loaded), log=_print_line)
-    _print_line(f"{'already cached' if existed else 'cached'}: {directory}")
+    directory, existed = cache_entry(loaded, load_tokenizer(loaded), log=print_line)
+    print_line(f"{'already cached' if existed else 'cached'}: {directory}")
 
 
 @command()
