@@ -52,11 +52,9 @@ import math
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ligertune.config import Recipe, machine_problems, recipe_to_yaml
 from ligertune.distributed import Runtime, create_runtime
@@ -76,48 +74,8 @@ from ligertune.training.components import Components, build
 from ligertune.training.export import export_hf, push_export
 from ligertune.training.resume import data_order, resume, resume_path
 from ligertune.training.signals import StopSignal
-from ligertune.training.state import TrainState
+from ligertune.training.state import Progress, StepRecord, TrainResult, TrainState
 from ligertune.training.step import evaluate, forward_backward, micro_batch_stream
-
-
-@dataclass
-class StepRecord:
-    """What one optimizer step did; handed to the `on_step_end` hook."""
-
-    step: int
-    epoch: float  # epochs completed, fractional (2.5: half way through the third)
-    loss: float
-    grad_norm: float
-    lr: float
-    items: int  # what the objective averages over (label tokens for SFT), over all ranks
-    label_tokens: int
-    tokens: int
-    seconds: float
-    skipped: bool
-    metrics: dict[str, float] = field(default_factory=dict)  # the objective's (rewards, KL, ...)
-
-
-@dataclass
-class TrainResult:
-    steps: int
-    final_loss: float | None
-    eval_loss: float | None
-    run_dir: Path
-    checkpoint: Path | None
-    export_dir: Path | None
-    signal: int | None
-    model: nn.Module
-
-
-@dataclass
-class Progress:
-    """What the loop tracks between steps and log lines and does not checkpoint."""
-
-    window_losses: list[float] = field(default_factory=list)  # finite step losses since the last log line
-    window_metrics: dict[str, list[float]] = field(default_factory=dict)  # the objective's, likewise
-    consecutive_skipped: int = 0
-    last_loss: float | None = None
-    eval_loss: float | None = None
 
 
 class Trainer:
