@@ -30,7 +30,7 @@ from torch import nn
 
 from ligertune.errors import RecipeError
 from ligertune.models.architectures import SHIPPED_CONFIGS
-from ligertune.models.attention import choose_attention
+from ligertune.models.attention import choose_attention, unsupported_backends
 from ligertune.paths import looks_local
 
 if TYPE_CHECKING:  # the schema is a layer above: models are built from its values, never import it
@@ -125,8 +125,12 @@ def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
     config = build_config(recipe)
     dtype = param_dtype(recipe.training.precision)
     attention, _ = choose_attention(
-        recipe.model.attn_implementation, device.type == "cuda", recipe.data.packing
+        recipe.model.attn_implementation, device.type == "cuda", recipe.data.packing, config
     )
+    # An explicit choice the model cannot use: one line, not transformers' traceback.
+    refused = unsupported_backends(config).get(attention)
+    if refused:
+        raise RecipeError([f"model.attn_implementation: {attention}: {refused}; use auto (or eager)"])
     common = dict(
         dtype=dtype,
         attn_implementation=attention,
