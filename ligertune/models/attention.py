@@ -109,7 +109,10 @@ def _auto_order(on_cuda: bool, packing: bool) -> list[tuple[str, str]]:
     order = []
     if on_cuda and importlib.util.find_spec("flash_attn") is not None:
         order.append(
-            ("flash_attention_2", "auto: CUDA with flash-attn installed (variable-length calls for packed rows)")
+            (
+                "flash_attention_2",
+                "auto: CUDA with flash-attn installed (variable-length calls for packed rows)",
+            )
         )
     if on_cuda and packing:
         order.append(
@@ -118,7 +121,9 @@ def _auto_order(on_cuda: bool, packing: bool) -> list[tuple[str, str]]:
     if on_cuda:
         order.append(("sdpa", "auto: CUDA with padded rows (SDPA's flash kernel on causal rows)"))
         if not packing:
-            order.append(("flex_attention", "auto: CUDA with padded rows (FlexAttention: SDPA cannot serve it)"))
+            order.append(
+                ("flex_attention", "auto: CUDA with padded rows (FlexAttention: SDPA cannot serve it)")
+            )
         order.append(("eager", "auto: CUDA"))
     else:
         order += [("sdpa", "auto: CPU"), ("eager", "auto: CPU")]
