@@ -52,7 +52,12 @@ def test_recipes_lists_and_copies(tmp_path):
     dest = tmp_path / "mine.yaml"
     copied = cli("recipes", "cp", "llama3.2-1b-alpaca", str(dest))
     assert copied.returncode == 0, copied.stderr
-    assert dest.read_text() == (ROOT / "recipes" / "llama3.2-1b-alpaca.yaml").read_text()
+    # The copy runs under its own name (runs/mine), not the original's; every other line as shipped.
+    original = (ROOT / "recipes" / "llama3.2-1b-alpaca.yaml").read_text()
+    assert dest.read_text() == original.replace("name: llama3.2-1b-alpaca\n", "name: mine\n")
+    assert "name: mine" in copied.stdout and "runs/mine" in copied.stdout
+    resolved = cli("validate", str(dest), "-f", "yaml")
+    assert resolved.returncode == 0 and "name: mine" in resolved.stdout
     again = cli("recipes", "cp", "llama3.2-1b-alpaca", str(dest))
     assert again.returncode == 2 and "not overwriting" in again.stderr
     typo = cli("recipes", "cp", "llama3-8b-alpca", str(tmp_path))

@@ -218,9 +218,13 @@ def test_markdown_tables_ratios_failures_and_missing_numbers():
     # Ratios by hand: 1500/1000 tok/s against eager, 1500/1200 against Liger, 3.0/4.0 GiB; the
     # loss drift |2.5 - 2.75| / 2.75 at the second step.
     assert (
-        "| ligertune | ok | 1,500 | 750 | 45.0% | 0.500 | 3.0 | 3.5 | 1.50 | 1.25 | 0.75 | 2.5000 | 9.09% |" in lines
+        "| ligertune | ok | 1,500 | 750 | 45.0% | 0.500 | 3.0 | 3.5 | 1.50 | 1.25 | 0.75 | 2.5000 | 9.09% |"
+        in lines
     )
-    assert "| eager | ok | 1,000 | 500 | 30.0% | 0.250 | 4.0 | 5.0 | 1.00 | 0.83 | 1.00 | 2.7500 | 0.00% |" in lines
+    assert (
+        "| eager | ok | 1,000 | 500 | 30.0% | 0.250 | 4.0 | 5.0 | 1.00 | 0.83 | 1.00 | 2.7500 | 0.00% |"
+        in lines
+    )
     # Failed and skipped arms: a dash for every missing number, the error under the table.
     assert "| ligertune | OOM | — | — | — | — | 9.5 | — | — | — | — | 3.0000 | — |" in lines
     assert "| liger | skipped | — | — | — | — | — | — | — | — | — | — | — |" in lines

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 from enum import Enum
 from pathlib import Path
 
@@ -179,7 +178,8 @@ def recipes_cp(
     name: str = typer.Argument(..., help="Shipped recipe name (see `ligertune recipes`)."),
     dest: Path = typer.Argument(..., help="Where to write the copy."),
 ) -> None:
-    """Copy a shipped recipe to edit.
+    """Copy a shipped recipe to edit; the copy's name (its run directory, runs/<name>) is the new
+    file's, so it never writes into the original's runs.
 
     [bold]Example[/]
 
@@ -203,12 +203,35 @@ def recipes_cp(
         what = "is a file" if dest.parent.exists() else "does not exist"
         _print_error(f"cannot write {dest}: the folder {dest.parent} {what}; create the folder first")
         raise typer.Exit(2)
+    run_name = copy_name(dest)
     try:
-        shutil.copyfile(source, dest)
+        dest.write_text(renamed(source.read_text(encoding="utf-8"), run_name), encoding="utf-8")
     except OSError as e:
         _print_error(f"cannot write {dest}: {e.strerror}")
         raise typer.Exit(2) from None
-    console.print(f"wrote {dest}", markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"wrote {dest} (name: {run_name}: it runs in runs/{run_name})",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def copy_name(dest: Path) -> str:
+    """The run name of a copy: its file's stem, with what a run name cannot hold made '-'."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", dest.stem).strip("-.")
+    return name or "run"
+
+
+def renamed(text: str, name: str) -> str:
+    """A recipe's text with its top-level ``name`` set to `name`, every other line (comments
+    included) as written; a recipe without one gets it as its first key."""
+    line = re.compile(r"^name:[^\n#]*", re.MULTILINE)
+    if line.search(text):
+        return line.sub(f"name: {name}", text, count=1)
+    body = re.search(r"^(?!#|\s*$)", text, re.MULTILINE)  # the first line that is not a comment
+    at = body.start() if body else len(text)
+    return f"{text[:at]}name: {name}\n{text[at:]}"
 
 
 @app.command()

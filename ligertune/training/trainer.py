@@ -361,6 +361,9 @@ class Trainer(TrainerSetup):
                 "batch_index": position[1],
                 "order": self.order,
                 "skipped_steps": self.skipped,
+                # Which recipe file runs this directory, and when it is finished (training.resume).
+                "recipe_file": str(self.recipe._source_file) if self.recipe._source_file else None,
+                "total_steps": self.total_steps,
             },
             recipe_yaml=recipe_to_yaml(self.recipe),
         )

@@ -101,6 +101,9 @@ class Recipe(Section):
 
     # The directory the recipe file lives in: relative paths resolve against it.
     _base_dir: Path | None = None
+    # The recipe file itself (absolute), when it was read from one: a run records it, and an
+    # automatic resume of a finished run from another file is refused (`ligertune.training.resume`).
+    _source_file: Path | None = None
 
     @field_validator("name")
     @classmethod
