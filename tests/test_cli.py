@@ -127,3 +127,31 @@ def test_recipes_says_which_extra_a_recipe_needs(monkeypatch):
     assert "DeepSpeed ZeRO-3" in line  # the description, read from the file
     assert "needs the deepspeed extra: pip install 'ligertune[deepspeed]'" in line
     assert "invalid" not in result.output
+
+
+@pytest.mark.slow
+def test_train_prints_no_third_party_noise_and_verbose_says_what_it_hid(tmp_path):
+    """transformers imports torchao and accelerate imports deepspeed whenever they are installed
+    (the dev extra installs both), and their import-time warnings reached every command even with
+    -q. Our logging set-up filters them; -v shows each as a debug line marked hidden."""
+    import importlib.util
+
+    from tests.helpers import PLAIN_RUN, TINY_MODEL
+
+    args = [
+        "train",
+        "quickstart",
+        *TINY_MODEL,
+        *PLAIN_RUN,
+        "training.max_steps=2",
+        "checkpoint.export_hf=true",
+    ]
+    quiet = cli("-q", *args, f"output_dir={tmp_path / 'quiet'}", cwd=tmp_path)
+    assert quiet.returncode == 0, quiet.stderr
+    for noise in ("Failed to load", "register_constant", "Setting accelerator to CPU", "Traceback"):
+        assert noise not in quiet.stdout + quiet.stderr
+    verbose = cli("-v", *args, f"output_dir={tmp_path / 'verbose'}", cwd=tmp_path)
+    assert verbose.returncode == 0, verbose.stderr
+    assert "hiding known third-party warnings" in verbose.stdout
+    if importlib.util.find_spec("deepspeed") is not None:
+        assert "(hidden warning of DeepSpeed) Setting accelerator to CPU" in verbose.stdout
