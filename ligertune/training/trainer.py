@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from ligertune.config import Recipe, machine_problems, recipe_to_yaml
+from ligertune.config.environment_rules import machine_warnings
 from ligertune.distributed import Runtime, create_runtime
 from ligertune.errors import OutOfMemoryError, RecipeError, TrainingError
 from ligertune.run.lock import RunLock
@@ -121,6 +122,9 @@ class Trainer(TrainerSetup):
             raise RecipeError(problems)
         self.runtime = create_runtime(recipe)
         self.log = logging.getLogger("ligertune").info if self.runtime.is_main else self.log
+        if self.runtime.is_main:
+            for line in machine_warnings(recipe):  # slow here and for nothing: said before the wait
+                logging.getLogger("ligertune").warning(f"warning: {line}")
         # auto checkpointing / micro-batch size, planned against this GPU (ligertune.training.memory)
         resolved = resolve_auto(recipe, self.runtime.world_size, self.runtime.device)
         self.recipe = recipe = resolved.recipe
