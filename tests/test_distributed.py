@@ -310,7 +310,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_with_a_checkpoint(
     output = "".join(lines)
     assert process.returncode == 143, output[-3000:]
     summary = [r for r in read_metrics(tmp_path) if r["event"] == "summary"][-1]
-    assert summary["stopped by"] == "SIGTERM" and 3 <= summary["steps"] < 500
+    assert summary["stopped_by"] == "SIGTERM" and 3 <= summary["steps"] < 500
     saved = tmp_path / "checkpoints" / f"step-{summary['steps']}"
     assert (
         json.loads((saved / "state.json").read_text())["format"] == "dcp" and (saved / "COMPLETE").is_file()
@@ -341,6 +341,28 @@ def test_every_rank_names_itself_in_its_error(tmp_path):
     for rank in (0, 1):
         assert f"error: rank {rank}/2: invalid recipe" in output, output[-3000:]
     assert "did you mean hidden_size?" in output
+
+
+@pytest.mark.slow
+def test_ddp_says_why_it_did_not_evaluate_a_validation_split_smaller_than_the_world(tmp_path):
+    """One validation row for two processes: every rank must evaluate a batch, so there is no
+    evaluation; the start log and the summary say why (it used to be skipped silently)."""
+    done = subprocess.run(
+        _cli("--nproc-per-node", "2", *TINY, "parallel.strategy=ddp", "data.validation_fraction=0.001")
+        + ["training.eval_every=1", "training.max_steps=2", f"output_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=240,
+        cwd=ROOT,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
+    why = "the validation split has 1 row(s), fewer than the 2 processes"
+    assert f"warning: no evaluation: {why}" in output
+    assert f"n/a (not evaluated: {why}" in output
+    summary = [r for r in read_metrics(tmp_path) if r["event"] == "summary"][-1]
+    assert summary["eval_skipped"].startswith(why) and summary["eval_loss"] is None
 
 
 def test_bad_launch_options_fail_before_any_process_starts(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import math
 import os
 import signal
@@ -561,6 +562,23 @@ def test_quickstart_runs_from_the_cli(tmp_path):
         "swiglu": 2,
         "fused_linear_cross_entropy": 1,
     }
+
+
+def test_the_cli_labels_window_means_and_the_last_step_and_writes_snake_case_keys(tmp_path):
+    """Step lines show the mean of the window's step losses, the summary the last step's loss:
+    each says which. Every key metrics.jsonl writes is snake_case (the summary had spaces)."""
+    from typer.testing import CliRunner
+
+    from ligertune.cli import app
+
+    args = ["train", str(QUICKSTART), *TINY, "training.max_steps=4", "logging.log_every=2"]
+    result = CliRunner().invoke(app, [*args, f"output_dir={tmp_path}"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"step 2/4 \| loss \d+\.\d{4} \(mean of 2 steps\) \|", result.output), result.output
+    assert re.search(r"loss, last step +│ \d+\.\d{4}", result.output), result.output
+    records = read_metrics(tmp_path)
+    assert all(re.fullmatch(r"[a-z0-9_]+", key) for record in records for key in record), records[-1]
+    assert records[-1]["skipped_steps"] == 0 and records[1]["loss_steps"] == 2
 
 
 def test_cli_reports_bad_input_with_status_2(tmp_path):

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ligertune.config import Recipe
+from ligertune.run.metrics import count_label
 from ligertune.training.memory.choose import (
     base_setting,
     candidates,
@@ -40,17 +41,25 @@ class PlanResult:
     suggestion: str | None  # the cheapest fix when nothing fits
 
 
-def gpu_bytes(option: str | None) -> int:
-    """``--gpu-memory`` (``80GiB``, ``80``, ``81920MiB``), else the visible CUDA device's memory."""
+# The target without a GPU to read it from: the 80 GB class (H100, A100-80GB) most fine-tunes
+# are planned for. The header says it was assumed, and --gpu-memory changes it.
+DEFAULT_GPU_MEMORY = "80GiB"
+
+
+def gpu_bytes(option: str | None) -> tuple[int, str]:
+    """``--gpu-memory`` (``80GiB``, ``80``, ``81920MiB``), else the visible CUDA device's memory,
+    else (no GPU here, as on a laptop planning for a server) `DEFAULT_GPU_MEMORY`; with a note
+    for the header saying where the target came from."""
     if option:
         text = option.strip().lower().replace(" ", "")
         for suffix, scale in (("gib", GIB), ("gb", 10**9), ("mib", 2**20), ("g", GIB)):
             if text.endswith(suffix):
-                return int(float(text[: -len(suffix)]) * scale)
-        return int(float(text) * GIB)
+                return int(float(text[: -len(suffix)]) * scale), ""
+        return int(float(text) * GIB), ""
     if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    raise ValueError("no CUDA device here: give the target with --gpu-memory (e.g. --gpu-memory 80GiB)")
+        return torch.cuda.get_device_properties(0).total_memory, f" ({torch.cuda.get_device_name(0)})"
+    default, _ = gpu_bytes(DEFAULT_GPU_MEMORY)
+    return default, " (no GPU here: the default target; --gpu-memory sets another)"
 
 
 def _breakdown_table(b: Breakdown, budget: int) -> Table:
@@ -73,20 +82,23 @@ def _breakdown_table(b: Breakdown, budget: int) -> Table:
     return table
 
 
-def plan(recipe: Recipe, world_size: int, budget: int, console: Console) -> PlanResult:
+def plan(recipe: Recipe, world_size: int, budget: int, console: Console, target: str = "") -> PlanResult:
     """Print the breakdown and the table of choices; the result says what fits."""
     shape = recipe_shape(recipe)
     base = base_setting(recipe, world_size)
     own = estimate(shape, base)
     pairs = f", {base.rows_per_sample} per sample (pairs)" if base.rows_per_sample > 1 else ""
     frozen = (
-        f", a frozen {base.frozen_role} of {base.frozen.params / 1e9:.2f}B parameters" if base.frozen else ""
+        f", a frozen {base.frozen_role} of {count_label(base.frozen.params)} parameters"
+        if base.frozen
+        else ""
     )
     console.print(
-        f"{recipe.name}: {shape.params / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, "
+        f"{recipe.name}: {count_label(shape.params)} parameters ({shape.layers} layers, hidden {shape.hidden}, "
         f"vocab {shape.vocab}){frozen}, {base.precision}, {base.strategy} × {world_size}, rows of "
         f"{base.seq_len} tokens{pairs}, kernels: {', '.join(sorted(base.kernels)) or 'none'}; target "
-        f"{gib(budget)} per GPU"
+        f"{gib(budget)} per GPU{target}",
+        soft_wrap=True,
     )
     console.print(_breakdown_table(own, budget))
     off = estimate(shape, replace(base, kernels=frozenset()))

@@ -6,6 +6,7 @@ in its attributes; `Trainer` itself keeps `setup`, the loop and the end of the r
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from functools import partial
@@ -18,6 +19,7 @@ from ligertune.run.checkpoint import CheckpointManager
 from ligertune.run.metrics import (
     MetricsLogger,
     Throughput,
+    count_label,
     flops_per_token,
     peak_bf16_flops,
 )
@@ -53,16 +55,24 @@ class TrainerSetup:
         self.loader = MicroBatchLoader(
             self.datasets.train, micro_batch_size, shuffle=recipe.data.shuffle, **loader_args
         )
-        self.eval_loader = None
+        self.eval_loader, self.eval_skipped = None, None
         if self.datasets.validation is not None:
             # A validation split smaller than a micro-batch per rank is still evaluated, in
             # smaller batches. The loader leaves out rows that do not fill a last batch on every
             # rank (fewer than batch × world size rows).
-            eval_batch = min(micro_batch_size, len(self.datasets.validation) // runtime.world_size)
+            rows = len(self.datasets.validation)
+            eval_batch = min(micro_batch_size, rows // runtime.world_size)
             if eval_batch > 0:
                 self.eval_loader = MicroBatchLoader(
                     self.datasets.validation, eval_batch, shuffle=False, **loader_args
                 )
+            else:  # every rank must evaluate a batch; said at the start and in the summary
+                self.eval_skipped = (
+                    f"the validation split has {rows} row(s), fewer than the {runtime.world_size} processes; "
+                    "raise data.validation_fraction or use a larger data.validation_split"
+                )
+                if runtime.is_main:
+                    logging.getLogger("ligertune").warning(f"warning: no evaluation: {self.eval_skipped}")
         self.total_steps = self.training.max_steps or math.ceil(
             self.training.epochs * self.loader.batches_per_epoch / self.training.gradient_accumulation_steps
         )
@@ -81,7 +91,7 @@ class TrainerSetup:
         self.model_flops = flops_per_token(counted, recipe.data.max_seq_len)
         self.parameters, self.model_class = sum(p.numel() for p in counted.parameters()), type(model).__name__
         self.log(
-            f"built {self.model_class} ({_count(self.parameters)} parameters) in {time.perf_counter() - started:.1f} s"
+            f"built {self.model_class} ({count_label(self.parameters)} parameters) in {time.perf_counter() - started:.1f} s"
         )
         self.hf_model, self.transform_reports = apply_transforms(model, recipe)
         started = time.perf_counter()
@@ -171,11 +181,3 @@ class TrainerSetup:
             "flops_per_token": self.model_flops,
             "kernels_patched": {k: n for k, n in patch_report.patched.items() if n} if patch_report else {},
         }
-
-
-def _count(n: int) -> str:
-    """A parameter count as people say it: 1.24B, 350.0M, 4.1k."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= scale:
-            return f"{n / scale:.{2 if suffix == 'B' else 1}f}{suffix}"
-    return str(n)

@@ -303,6 +303,7 @@ class Trainer(TrainerSetup):
                         "loss": sum(self.window_losses) / len(self.window_losses)
                         if self.window_losses
                         else None,
+                        "loss_steps": len(self.window_losses),
                         "lr": record.lr,
                         "grad_norm": record.grad_norm,
                         **self.throughput.take_window(),
@@ -402,9 +403,11 @@ class Trainer(TrainerSetup):
                     self.log(f"uploaded the export to {pushed}")
         if self.metrics is not None:
             allocated, reserved = peak_memory_gib(self.device)
-            extra = {"skipped steps": self.skipped, "checkpoint": str(self.last_saved)}
+            extra = {"skipped_steps": self.skipped, "checkpoint": str(self.last_saved)}
             if stop_signal is not None:
-                extra["stopped by"] = signal.Signals(stop_signal).name
+                extra["stopped_by"] = signal.Signals(stop_signal).name
+            if self.eval_skipped:
+                extra["eval_skipped"] = self.eval_skipped
             self.metrics.summary(
                 RunSummary(
                     steps=self.step,
