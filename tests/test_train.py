@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import copy
 import json
-import re
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
