@@ -155,3 +155,42 @@ def test_train_prints_no_third_party_noise_and_verbose_says_what_it_hid(tmp_path
     assert "hiding known third-party warnings" in verbose.stdout
     if importlib.util.find_spec("deepspeed") is not None:
         assert "(hidden warning of DeepSpeed) Setting accelerator to CPU" in verbose.stdout
+
+
+def test_help_wraps_at_the_terminal_not_at_the_docstring_lines():
+    """A help paragraph is one line that rich wraps to the terminal; it used to keep the
+    docstring's source line breaks and cut sentences at any width. Examples keep their lines."""
+    import os
+
+    wide = subprocess.run(
+        [sys.executable, "-m", "ligertune", "train", "--help"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "250"},
+        timeout=120,
+    )
+    assert wide.returncode == 0, wide.stderr
+    assert "nodes) the run is launched through torchrun, one process per GPU; the recipe's" in wide.stdout
+    lines = [line.rstrip() for line in wide.stdout.splitlines()]
+    assert "   ligertune train recipes/quickstart.yaml" in lines
+
+
+def test_recipes_names_the_qlora_extra_for_qlora_recipes_when_peft_is_missing():
+    """On a machine without peft (simulated: the import system finds no peft), `ligertune recipes`
+    says what to install for each recipe: the qlora extra (peft and bitsandbytes) for a QLoRA
+    recipe, the lora extra for a LoRA one."""
+    without_peft = "import sys; sys.modules['peft'] = None; from ligertune.cli import main; main()"
+    import os
+
+    listing = subprocess.run(
+        [sys.executable, "-c", without_peft, "recipes"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env={**os.environ, "COLUMNS": "400"},  # one table row per recipe
+    )
+    assert listing.returncode == 0, listing.stderr
+    rows = {line.split("│")[1].strip(): line for line in listing.stdout.splitlines() if line.count("│") >= 3}
+    assert "pip install 'ligertune[qlora]'" in rows["llama3-8b-alpaca-qlora"]
+    assert "pip install 'ligertune[lora]'" in rows["quickstart-lora"]

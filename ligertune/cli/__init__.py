@@ -17,7 +17,10 @@ from ligertune.cli import models  # noqa: F401
 
 # isort: on
 from ligertune.cli.common import app, fail
+from ligertune.cli.help import reflow_commands
 from ligertune.errors import RecipeError
+
+reflow_commands(app)
 
 __all__ = ["app", "main"]
 

@@ -36,6 +36,8 @@ loss) and `none`.
 
 def _type_name(annotation) -> str:
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # constraints are in the description, not pydantic's repr
+        return _type_name(typing.get_args(annotation)[0])
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(annotation))
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
@@ -63,27 +65,41 @@ def _default(field) -> str:
     return f"`{field.default}`"
 
 
-def _sections(model: type[BaseModel], prefix: str):
+def _sections(model: type[BaseModel], prefix: str, about: str = ""):
+    """(title, what the section is, rows) for `model` and, after it, each of its sections."""
     rows, children = [], []
     for name, field in model.model_fields.items():
-        annotation = field.annotation
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            children.append((f"{prefix}{name}", annotation, field.description))
+        section = _section_model(field.annotation)
+        if section is not None:
+            optional = type(None) in typing.get_args(field.annotation)
+            children.append((f"{prefix}{name}", section, field.description if optional else ""))
             continue
+        annotation = field.annotation
         rows.append(
             f"| `{prefix}{name}` | {_type_name(annotation)} | {_default(field)} | {field.description} |"
         )
-    yield prefix.rstrip(".") or "top level", rows
-    for path, child, _ in children:
-        yield from _sections(child, f"{path}.")
+    yield prefix.rstrip(".") or "top level", about, rows
+    for path, child, description in children:
+        yield from _sections(child, f"{path}.", description)
+
+
+def _section_model(annotation) -> type[BaseModel] | None:
+    """The section a field holds: a model, or an optional one (``lora: LoraSection | None``,
+    a section whose presence turns a feature on), documented as a table of its own."""
+    members = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    if len(members) == 1 and isinstance(members[0], type) and issubclass(members[0], BaseModel):
+        return members[0]
+    return None
 
 
 def render() -> str:
     parts = [HEADER]
-    for title, rows in _sections(Recipe, ""):
+    for title, about, rows in _sections(Recipe, ""):
         if not rows:
             continue
         parts.append(f"\n## {title}\n")
+        if about:  # an optional section: what having it means
+            parts.append(f"{about}\n")
         if title == "kernels":
             parts.append(f"Kernel names: {', '.join(f'`{k}`' for k in KERNEL_NAMES)}.\n")
         parts.append("| key | type | default | description |\n|---|---|---|---|")

@@ -46,7 +46,10 @@ class Rule:
 
     @property
     def summary(self) -> str:
-        return (self.check.__doc__ or "").strip().splitlines()[0]
+        """The docstring's first paragraph, on one line (a first line alone cuts a long
+        sentence off mid-way)."""
+        paragraph = (self.check.__doc__ or "").strip().split("\n\n")[0]
+        return " ".join(line.strip() for line in paragraph.splitlines())
 
 
 RULES: list[Rule] = []
@@ -326,8 +329,10 @@ def _packages_installed(recipe: Recipe) -> list[str]:
             "install it with: pip install 'ligertune[fp8]'"
         )
     if recipe.lora is not None and importlib.util.find_spec("peft") is None:
+        # QLoRA's extra brings bitsandbytes too: name the one the recipe needs.
+        extra = "qlora" if recipe.model.quantize != "none" else "lora"
         problems.append(
-            "lora: needs peft, which is not installed; install it with: pip install 'ligertune[lora]'"
+            f"lora: needs peft, which is not installed; install it with: pip install 'ligertune[{extra}]'"
         )
     # Each metric logger's package has the logger's name (tensorboard, wandb, mlflow).
     for name in [n for n in recipe.logging.selected_loggers() if importlib.util.find_spec(n) is None]:

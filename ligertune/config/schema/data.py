@@ -28,7 +28,7 @@ PAIR_FORMATS = ("preference", "kto")
 class DataSource(Section):
     """One dataset of ``data.mix``; unset keys take the data section's value."""
 
-    path: str = Field(description="Hub dataset id, or a local JSON/JSONL/Parquet file or directory.")
+    path: str = Field(description="Hub dataset id, or a local JSON/JSONL/Parquet/CSV file or directory.")
     weight: float = Field(
         1.0, gt=0, description="Relative share of the mix's samples (weights need not sum to 1)."
     )
@@ -48,7 +48,7 @@ class DataSection(Section):
     )
     path: str | None = Field(
         None,
-        description="Hub dataset id, or a local JSON/JSONL/Parquet file or directory (or set mix instead).",
+        description="Hub dataset id, or a local JSON/JSONL/Parquet/CSV file or directory (or set mix instead).",
     )
     subset: str | None = Field(
         None, description="Hub dataset config (subset) name: load_dataset(path, subset)."
