@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ligertune.config.data_rules import DATA_RULES
 from ligertune.config.deepspeed import deepspeed_config_problems
 from ligertune.config.environment_rules import ENVIRONMENT_RULES
 from ligertune.config.objective_rules import OBJECTIVE_RULES
@@ -399,4 +400,7 @@ for _name, _phase, _check in ENVIRONMENT_RULES:
     rule(_name, _phase)(_check)
 # The objective section's rules, written in `ligertune.config.objective_rules`.
 for _name, _check in OBJECTIVE_RULES:
+    rule(_name)(_check)
+# The data section's column and role mappings, written in `ligertune.config.data_rules`.
+for _name, _check in DATA_RULES:
     rule(_name)(_check)

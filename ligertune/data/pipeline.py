@@ -47,7 +47,15 @@ from ligertune.data.cache import (
     tokenizer_fingerprint,
     write_entry,
 )
-from ligertune.data.formats import Sample, check_columns, columns_for, tokenize_rows
+from ligertune.data.chat import ChatOptions
+from ligertune.data.formats import (
+    Sample,
+    chat_options,
+    check_columns,
+    columns_for,
+    rename_columns,
+    tokenize_rows,
+)
 from ligertune.data.packing import SequenceDataset, layout_rows, truncate_and_mask
 from ligertune.data.preference import PAIR_FORMATS, pair_features, pair_rows, tokenize_pair_batch
 from ligertune.data.prepared import DataStats, Log, PreparedData
@@ -131,6 +139,7 @@ class _Builder:
         if key not in self._loaded:
             spec = self.specs[index]
             dataset, name = load_split(spec, split)
+            dataset = rename_columns(dataset, spec.format, spec.columns or {}, name)
             check_columns(spec.format, dataset.column_names, name, spec.messages_field)
             self._loaded[key] = dataset, name
         return self._loaded[key]
@@ -297,6 +306,7 @@ class _Builder:
                 "messages_field": spec.messages_field,
                 "max_seq_len": self.data.max_seq_len,
                 "source": name,
+                "chat": chat_options(spec.format, spec.columns, spec.roles, self.data.think_blocks),
             },
         )
 
@@ -326,6 +336,7 @@ def tokenize_batch(
     messages_field: str | None,
     max_seq_len: int,
     source: str,
+    chat: ChatOptions | None = None,
 ) -> dict:
     """One `datasets.map` batch → samples, truncated and masked. `rows` maps a position in the
     selection back to the row number in the source, which error messages name. Dropped samples
@@ -339,6 +350,7 @@ def tokenize_batch(
         train_on_inputs=train_on_inputs,
         messages_field=messages_field,
         source=source,
+        chat=chat,
     )
     out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "dropped": []}
     for sample in samples:

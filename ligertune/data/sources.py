@@ -50,6 +50,8 @@ class SourceSpec:
     subset: str | None
     messages_field: str | None
     weight: float = 1.0
+    columns: dict | None = None  # data.columns: the format's field → this dataset's column
+    roles: dict | None = None  # data.roles: this dataset's role name → ours
 
 
 def source_specs(recipe: Recipe) -> list[SourceSpec]:
@@ -63,7 +65,18 @@ def source_specs(recipe: Recipe) -> list[SourceSpec]:
     if not data.mix:
         if data.path is None:
             raise DataError("data.path: required key is missing (or list several datasets under data.mix)")
-        return [spec("data.path", data.path, format=None, split=None, subset=None, messages_field=None)]
+        return [
+            spec(
+                "data.path",
+                data.path,
+                format=None,
+                split=None,
+                subset=None,
+                messages_field=None,
+                columns=None,
+                roles=None,
+            )
+        ]
     return [
         spec(
             f"data.mix[{i}].path",
@@ -73,6 +86,8 @@ def source_specs(recipe: Recipe) -> list[SourceSpec]:
             subset=s.subset,
             messages_field=s.messages_field,
             weight=s.weight,
+            columns=s.columns,
+            roles=s.roles,
         )
         for i, s in enumerate(data.mix)
     ]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ligertune.data.formats import check_columns, tokenize_rows
+from ligertune.data.formats import chat_options, check_columns, rename_columns, tokenize_rows
 from ligertune.data.packing import SequenceDataset, build_rows, truncate_and_mask
 from ligertune.data.prepared import DataStats, Log, PreparedData
 from ligertune.data.sources import SourceSpec, load_split, source_specs, stream_columns
@@ -74,6 +74,7 @@ class StreamingRows:
                         train_on_inputs=self.data.train_on_inputs,
                         messages_field=spec.messages_field,
                         source=name,
+                        chat=chat_options(spec.format, spec.columns, spec.roles, self.data.think_blocks),
                     )
             kept, _, _ = truncate_and_mask(tokenised, self.data.max_seq_len)
             yield from build_rows(kept, self.data.max_seq_len, self.tokenizer.pad_token_id, self.data.packing)
@@ -106,6 +107,7 @@ def build_streaming(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, log: Log
     sources = []
     for spec in source_specs(recipe):
         stream, name = load_split(spec, spec.split, streaming=True)
+        stream = rename_columns(stream, spec.format, spec.columns or {}, name)
         check_columns(spec.format, stream_columns(stream), name, spec.messages_field)
         sources.append((spec, stream, name))
     log(f"streaming {', '.join(name for _, _, name in sources)}: samples are tokenised while training")
@@ -122,6 +124,7 @@ def _materialise(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[Se
     samples = []
     for spec in source_specs(recipe):
         stream, name = load_split(spec, data.validation_split, streaming=True)
+        stream = rename_columns(stream, spec.format, spec.columns or {}, name)
         check_columns(spec.format, stream_columns(stream), name, spec.messages_field)
         samples += tokenize_rows(
             spec.format,
@@ -130,6 +133,7 @@ def _materialise(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[Se
             train_on_inputs=data.train_on_inputs,
             messages_field=spec.messages_field,
             source=name,
+            chat=chat_options(spec.format, spec.columns, spec.roles, data.think_blocks),
         )
     kept, truncated, dropped = truncate_and_mask(samples, data.max_seq_len)
     dataset = build_rows(kept, data.max_seq_len, tokenizer.pad_token_id, data.packing)

@@ -23,6 +23,22 @@ DataFormat = Literal[
 ]
 # Formats whose rows are two sequences trained together (ligertune/data/preference.py).
 PAIR_FORMATS = ("preference", "kto")
+# The fields (columns) each format reads: (required, optional). ``messages`` is another name for
+# ``chat``. `data.columns` maps these names to a dataset's own columns.
+FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "alpaca": (("instruction", "output"), ("input",)),
+    "prompt_completion": (("prompt", "completion"), ()),
+    "chat": (("messages",), ()),
+    "sharegpt": (("conversations",), ()),
+    "pretokenized": (("input_ids",), ("labels",)),
+    "preference": (("prompt", "chosen", "rejected"), ("ref_chosen_logps", "ref_rejected_logps")),
+    "kto": (("prompt", "completion", "label"), ("ref_logps", "ref_kl_logps")),
+}
+# Conversation formats: `data.columns` may also name the keys inside each message, and
+# `data.roles` the dataset's role names.
+MESSAGE_FORMATS = ("chat", "messages", "sharegpt")
+MESSAGE_KEYS = ("role", "content")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class DataSource(Section):
@@ -36,6 +52,10 @@ class DataSource(Section):
     subset: str | None = Field(None, description="Hub config/subset (default: data.subset).")
     split: str | None = Field(None, description="Split to train on (default: data.split).")
     messages_field: str | None = Field(None, description="Messages column (default: data.messages_field).")
+    columns: dict[str, str] | None = Field(
+        None, description="This dataset's column names (default: data.columns)."
+    )
+    roles: dict[str, str] | None = Field(None, description="This dataset's role names (default: data.roles).")
 
 
 class DataSection(Section):
@@ -56,7 +76,7 @@ class DataSection(Section):
     mix: list[DataSource] | None = Field(
         None,
         description="Several datasets instead of path, each {path, weight, format, subset, split, "
-        "messages_field}; samples are drawn by weight, seeded (see README).",
+        "messages_field, columns, roles}; samples are drawn by weight, seeded (see README).",
     )
     split: str = Field("train", description="Split to train on.")
     validation_split: str | None = Field(
@@ -75,6 +95,22 @@ class DataSection(Section):
     messages_field: str | None = Field(
         None,
         description="Column holding the conversation (default: messages for chat, conversations for sharegpt).",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="The dataset's own name for each field the format reads, e.g. {instruction: question, "
+        "output: answer} (alpaca), {prompt: query, completion: response}; chat and sharegpt also name "
+        "the keys inside each message: {messages: dialog, role: speaker, content: text}.",
+    )
+    roles: dict[str, str] = Field(
+        default_factory=dict,
+        description="chat/sharegpt: the dataset's role names as system, user, assistant or tool, e.g. "
+        "{human: user, bot: assistant} (sharegpt already reads human, gpt and system).",
+    )
+    think_blocks: Literal["keep", "mask", "strip"] = Field(
+        "keep",
+        description="Reasoning in assistant turns (<think>...</think>, chat formats): keep (trained as "
+        "written), mask (in the text, out of the loss) or strip (removed before the template renders).",
     )
     max_samples: int | None = Field(
         None, gt=0, description="Use only the first N samples (after shuffling); with mix: the mix's size."
