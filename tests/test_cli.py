@@ -194,3 +194,47 @@ def test_recipes_names_the_qlora_extra_for_qlora_recipes_when_peft_is_missing():
     rows = {line.split("│")[1].strip(): line for line in listing.stdout.splitlines() if line.count("│") >= 3}
     assert "pip install 'ligertune[qlora]'" in rows["llama3-8b-alpaca-qlora"]
     assert "pip install 'ligertune[lora]'" in rows["quickstart-lora"]
+
+
+def test_validate_reads_the_first_rows_of_the_data_as_train_would(tmp_path):
+    """validate used to pass data that train rejects: it now reads the head of every local source
+    and checks the format's columns and fields (with the data.columns mapping), cheaply."""
+    import json
+
+    wrong = cli("validate", "quickstart", f"data.path={ROOT / 'tests' / 'data' / 'wrong_columns.jsonl'}")
+    assert wrong.returncode == 2
+    assert "wrong_columns.jsonl: data.format alpaca expects columns instruction, output" in wrong.stderr
+    assert "data.columns: {instruction: ..., output: ...}" in wrong.stderr
+
+    csv_file = tmp_path / "qa.csv"
+    csv_file.write_text("question,answer\nName a colour.,Blue.\n")
+    mapped = cli(
+        "validate",
+        "quickstart",
+        f"data.path={csv_file}",
+        "data.columns={instruction: question, output: answer}",
+    )
+    assert mapped.returncode == 0, mapped.stderr
+    misnamed = cli(
+        "validate", "quickstart", f"data.path={csv_file}", "data.columns={instruction: query, output: answer}"
+    )
+    assert misnamed.returncode == 2
+    assert "data.columns maps instruction: query, but the dataset has no column 'query'" in misnamed.stderr
+
+    chat = tmp_path / "chat.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "Hi"}, {"role": "bot", "content": "Hello."}]}]
+    chat.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    roles = cli("validate", "quickstart", f"data.path={chat}", "data.format=chat")
+    assert roles.returncode == 2 and "row 0: message 1 of messages is from 'bot'" in roles.stderr
+    checked = cli(
+        "validate",
+        "quickstart",
+        f"data.path={chat}",
+        "data.format=chat",
+        "data.roles={bot: assistant}",
+        "--check",
+    )
+    assert checked.returncode == 0, checked.stderr
+    assert "data.path (" in checked.stdout and "the first 1 rows tokenise to" in checked.stdout
+    hub = cli("validate", "recipes/llama3-8b-alpaca.yaml", "-f", "none")
+    assert hub.returncode == 0 and "tatsu-lab/alpaca is a hub dataset" in hub.stdout

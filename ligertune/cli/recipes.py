@@ -18,7 +18,7 @@ from ligertune.cli.common import (
 )
 from ligertune.config import load_recipe, recipe_to_yaml, shipped_recipes
 from ligertune.config.rules import model_problems
-from ligertune.errors import RecipeError
+from ligertune.errors import DataError, RecipeError
 
 
 class Format(str, Enum):
@@ -40,14 +40,18 @@ def validate(
     check: bool = typer.Option(
         False,
         "--check",
-        help="Also build the model and compare it patched vs unpatched on one random batch "
-        "(loss, logits, every gradient). Shrink big models with model.config_overrides.",
+        help="Also tokenise the first rows of each local data source as train will, and build the model "
+        "and compare it patched vs unpatched on one random batch (loss, logits, every gradient). "
+        "Shrink big models with model.config_overrides.",
     ),
 ) -> None:
     """Validate recipes and print each one fully resolved (defaults filled in).
 
-    With --check, also run the kernel parity self-check on the recipe's model; exit status 1 when
-    it fails.
+    Reads the first rows of every local data source and checks them against the data format
+    (columns, data.columns mapping, field types, roles); hub datasets are checked when train
+    loads them. With --check, also tokenise those rows as train will and run the kernel parity
+    self-check on the recipe's model; exit status 1 when the parity check fails, 2 for any
+    problem with the recipe or its data.
 
     [bold]Examples[/]
 
@@ -73,8 +77,12 @@ def validate(
             failed = True
             _print_problems(file, e.problems)
             continue
-        # Everything train refuses before building the model, validate refuses too.
+        # Everything train refuses before building the model, validate refuses too, and the
+        # first rows of each data source (the columns and fields its format reads).
         problems = model_problems(recipe)
+        data_notes: list[str] = []
+        if not problems:
+            problems, data_notes = _data_problems(recipe)
         if problems:
             failed = True
             _print_problems(file, problems)
@@ -83,15 +91,23 @@ def validate(
             console.print(recipe_to_yaml(recipe), markup=False, highlight=False)
         elif fmt is Format.table:
             _print_recipe_table(file, recipe)
+        for note in data_notes:
+            console.print(f"[dim]{escape(note)}[/]", highlight=False, soft_wrap=True)
         console.print(f"[green]✓[/] {escape(file)}", highlight=False, soft_wrap=True)
         if check:
             from ligertune.tools.check import check_recipe
 
             try:
+                for line in _tokenised_sample(recipe):
+                    console.print(line, markup=False, highlight=False, soft_wrap=True)
                 result = check_recipe(recipe)
             except RecipeError as e:
                 failed = True
                 _print_problems(f"{file} (--check)", e.problems)
+                continue
+            except DataError as e:
+                failed = True
+                _print_problems(f"{file} (--check)", [str(e)])
                 continue
             console.print(str(result.report), markup=False, highlight=False, soft_wrap=True)
             console.print(str(result), markup=False, highlight=False, soft_wrap=True)
@@ -100,6 +116,25 @@ def validate(
         raise typer.Exit(2)
     if parity_failed:
         raise typer.Exit(1)
+
+
+def _data_problems(recipe) -> tuple[list[str], list[str]]:
+    """(problems, notes) of the recipe's data: the first rows of every local source checked
+    against its format (ligertune.data.peek; no torch, no datasets load)."""
+    from ligertune.data.peek import data_problems
+
+    try:
+        return data_problems(recipe)
+    except DataError as e:  # a source the specs themselves refuse (no data.path)
+        return [str(e)], []
+
+
+def _tokenised_sample(recipe) -> list[str]:
+    """--check: the first rows tokenised as train will (the tokenizer, the template's mask)."""
+    from ligertune.data import load_tokenizer
+    from ligertune.tools.data_sample import tokenised_sample
+
+    return tokenised_sample(recipe, load_tokenizer(recipe))
 
 
 def _print_recipe_table(title: str, recipe) -> None:
