@@ -394,6 +394,7 @@ class Trainer(TrainerSetup):
                     self.runtime,
                     self.recipe.run_dir / "final",
                     merge=self.recipe.export.merge_lora,
+                    recipe_yaml=recipe_to_yaml(self.recipe),
                 )
                 self.log(
                     f"exported the model in Hugging Face format to {export_dir} in {time.perf_counter() - started:.1f} s"
