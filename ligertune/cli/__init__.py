@@ -2,7 +2,7 @@
 
 `common` holds the app, its global options and the error printing; each other module registers
 its commands on that app when imported: `recipes` (validate, recipes, env), `run` (train, plan,
-preprocess, bench, compare), `models` (generate, download) and `artifacts` (merge, export).
+preprocess, bench, compare), `models` (generate, download), `artifacts` (merge, export) and `evaluate` (eval).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from ligertune.cli import recipes  # noqa: F401
 from ligertune.cli import run  # noqa: F401
 from ligertune.cli import models  # noqa: F401
 from ligertune.cli import artifacts  # noqa: F401
+from ligertune.cli import evaluate  # noqa: F401
 
 # isort: on
 from ligertune.cli.common import app, fail

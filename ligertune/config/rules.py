@@ -32,6 +32,7 @@ from pathlib import Path
 from ligertune.config.data_rules import DATA_RULES
 from ligertune.config.deepspeed import deepspeed_config_problems
 from ligertune.config.environment_rules import ENVIRONMENT_RULES
+from ligertune.config.eval_rules import EVAL_RULES
 from ligertune.config.objective_rules import OBJECTIVE_RULES
 from ligertune.config.schema import BUILTIN_PLUGINS, Recipe
 from ligertune.models.architectures import SHIPPED_CONFIGS
@@ -401,6 +402,7 @@ for _name, _phase, _check in ENVIRONMENT_RULES:
 # The objective section's rules, written in `ligertune.config.objective_rules`.
 for _name, _check in OBJECTIVE_RULES:
     rule(_name)(_check)
-# The data section's column and role mappings, written in `ligertune.config.data_rules`.
-for _name, _check in DATA_RULES:
+# The data section's column and role mappings (`ligertune.config.data_rules`) and the eval
+# section's tasks (`ligertune.config.eval_rules`).
+for _name, _check in DATA_RULES + EVAL_RULES:
     rule(_name)(_check)

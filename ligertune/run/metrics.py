@@ -294,6 +294,11 @@ def repair_torn_tail(path: Path) -> str | None:
     )
 
 
+# The summary table's words for the record's snake_case keys (other keys, the eval.tasks scores
+# among them, show as written).
+_EXTRA_LABELS = {"skipped_steps": "skipped steps", "stopped_by": "stopped by"}
+
+
 @dataclass
 class RunSummary:
     steps: int
@@ -339,7 +344,11 @@ class RunSummary:
             ("eval loss", self._eval_cell()),
         ]
         extra = {k: v for k, v in self.extra.items() if k != "eval_skipped"}
-        for key, value in rows + [(k.replace("_", " "), str(v)) for k, v in extra.items()]:
+        labelled = [
+            (_EXTRA_LABELS.get(k, k), f"{v:.4f}" if isinstance(v, float) else str(v))
+            for k, v in extra.items()
+        ]
+        for key, value in rows + labelled:
             table.add_row(key, value)
         return table
 

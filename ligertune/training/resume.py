@@ -20,7 +20,7 @@ Resuming with a changed recipe (`recipe_changes`)
               ``on_nonfinite`` and its skip limits, ``eval_every``, ``eval_max_batches``,
               ``activation_checkpointing``, ``compile``, ``device``; ``kernels.*``,
               ``plugins`` and ``model.attn_implementation`` (the same functions computed
-              another way: numerically equivalent, logged); ``logging.*``, ``checkpoint.*``,
+              another way: numerically equivalent, logged); ``logging.*``, ``checkpoint.*``, ``eval.*``,
               ``name``, ``description``, ``output_dir``; ``parallel.fsdp.reshard_after_forward``
               and ``cpu_offload``.
     refused   the model (every other ``model.*`` key: architecture, ``config_overrides``,
@@ -224,6 +224,7 @@ RESUME_RULES: dict[str, str | Callable[[_Compared], str | None] | None] = {
     "parallel.deepspeed": "a ZeRO checkpoint loads only into the DeepSpeed configuration that saved it",
     "logging": _APPLY,
     "checkpoint": _APPLY,
+    "eval": _APPLY,  # what scores the model at the end, not how it trains
 }
 
 

@@ -60,6 +60,7 @@ from ligertune.config.environment_rules import machine_warnings
 from ligertune.distributed import Runtime, create_runtime
 from ligertune.errors import OutOfMemoryError, RecipeError, TrainingError
 from ligertune.run.lock import RunLock
+from ligertune.run.loggers import console_handler
 from ligertune.run.metrics import (
     MetricsLogger,
     RunSummary,
@@ -67,6 +68,7 @@ from ligertune.run.metrics import (
     reset_peak_memory,
 )
 from ligertune.training.export import export_hf, push_export
+from ligertune.training.harness import HarnessError, score_run
 from ligertune.training.memory.auto import memory_budget, oom_suggestion, resolve_auto
 from ligertune.training.setup import TrainerSetup
 from ligertune.training.signals import StopSignal
@@ -352,6 +354,21 @@ class Trainer(TrainerSetup):
             )
         return loss
 
+    def _score_tasks(self) -> dict[str, float]:
+        """eval.tasks through lm-evaluation-harness (`ligertune.training.harness`): a record in
+        metrics.jsonl and a line in the log; the summary lists them."""
+        started = time.perf_counter()
+        handler = console_handler()  # -v shows lm-eval's progress too
+        verbose = handler is not None and handler.level <= logging.DEBUG
+        try:
+            scores = score_run(self.recipe, self.hf_model, self.tokenizer, verbose=verbose)
+        except HarnessError as e:
+            raise TrainingError(f"eval.tasks: {e}; the trained model is saved in {self.last_saved}") from None
+        self.metrics.write({"event": "eval_tasks", "step": self.step, **scores})
+        shown = " | ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in scores.items())
+        self.log(f"eval tasks step {self.step} | {shown} ({time.perf_counter() - started:.1f} s)")
+        return scores
+
     def _save(self, at_step: int, position: tuple[int, int]) -> Path:
         # Every rank takes part: each writes its share of the state (sharded strategies).
         started = time.perf_counter()
@@ -381,7 +398,7 @@ class Trainer(TrainerSetup):
 
     def _finish(self, stop_signal: int | None, seconds: float) -> TrainResult:
         """After the loop: the final evaluation and export (a completed run only), the summary."""
-        export_dir = None
+        export_dir, task_scores = None, {}
         if self.step >= self.total_steps and stop_signal is None:
             eval_every = self.training.eval_every
             if self.eval_loader is not None and not (eval_every and self.step % eval_every == 0):
@@ -402,6 +419,8 @@ class Trainer(TrainerSetup):
                 pushed = push_export(export_dir, self.recipe.export, self.runtime)
                 if pushed:
                     self.log(f"uploaded the export to {pushed}")
+            if self.recipe.eval.tasks and self.metrics is not None:  # the main rank scores its whole model
+                task_scores = self._score_tasks()
         if self.metrics is not None:
             allocated, reserved = peak_memory_gib(self.device)
             extra = {"skipped_steps": self.skipped, "checkpoint": str(self.last_saved)}
@@ -409,6 +428,7 @@ class Trainer(TrainerSetup):
                 extra["stopped_by"] = signal.Signals(stop_signal).name
             if self.eval_skipped:
                 extra["eval_skipped"] = self.eval_skipped
+            extra.update(task_scores)
             self.metrics.summary(
                 RunSummary(
                     steps=self.step,

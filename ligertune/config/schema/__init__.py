@@ -38,6 +38,7 @@ from ligertune.config.schema.model import (
 )
 from ligertune.config.schema.run import (
     CheckpointSection,
+    EvalSection,
     ExportSection,
     LoggingSection,
 )
@@ -89,6 +90,9 @@ class Recipe(Section):
     )
     export: ExportSection = Field(
         default_factory=ExportSection, description="Where the final export goes besides the run directory."
+    )
+    eval: EvalSection = Field(
+        default_factory=EvalSection, description="Benchmarks (lm-evaluation-harness) at the end of the run."
     )
     objective: ObjectiveSection = Field(
         default_factory=ObjectiveSection, description="The loss: sft (default), preference or distillation."
@@ -163,6 +167,7 @@ __all__ = [
     "DataSection",
     "DataSource",
     "DeepSpeedOptions",
+    "EvalSection",
     "ExportSection",
     "FSDPOptions",
     "HUB_REPO_ID",
