@@ -581,6 +581,33 @@ def test_the_cli_labels_window_means_and_the_last_step_and_writes_snake_case_key
     assert records[-1]["skipped_steps"] == 0 and records[1]["loss_steps"] == 2
 
 
+def test_save_every_epoch_saves_where_each_epoch_ends(tmp_path):
+    """checkpoint.save_every_epoch: a checkpoint at the step each pass over the data ends, its
+    state the start of the next epoch (the last one is the end-of-run save)."""
+    from typer.testing import CliRunner
+
+    from ligertune.cli import app
+
+    epochs = [
+        "training.max_steps=null",
+        "training.epochs=3",
+        "data.max_samples=24",
+        "training.micro_batch_size=4",
+    ]
+    saving = ["checkpoint.save_every_epoch=true", "checkpoint.keep_last=10"]
+    result = CliRunner().invoke(
+        app, ["train", str(QUICKSTART), *TINY, *epochs, *saving, f"output_dir={tmp_path}"]
+    )
+    assert result.exit_code == 0, result.output
+    total = read_metrics(tmp_path)[0]["total_steps"]
+    assert total % 3 == 0 and total >= 3
+    per_epoch = total // 3
+    saved = sorted(int(p.name.removeprefix("step-")) for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == [per_epoch, 2 * per_epoch, 3 * per_epoch]
+    state = json.loads((tmp_path / "checkpoints" / f"step-{per_epoch}" / "state.json").read_text())
+    assert (state["epoch"], state["batch_index"]) == (1, 0)
+
+
 def test_cli_reports_bad_input_with_status_2(tmp_path):
     from typer.testing import CliRunner
 

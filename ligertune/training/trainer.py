@@ -152,6 +152,7 @@ class Trainer(TrainerSetup):
         self.window_metrics: dict[str, list[float]] = {}
         self.consecutive_skipped = 0
         self.last_loss = self.eval_loss = None
+        self.epoch_saved = self.epoch  # checkpoint.save_every_epoch: the epochs ended so far
         stop_signal = None
         reset_peak_memory(self.device)
         started = time.perf_counter()
@@ -330,6 +331,10 @@ class Trainer(TrainerSetup):
         every = self.recipe.checkpoint.every_steps
         if every and step % every == 0:
             self.last_saved = self._save(step, (self.epoch, self.batch_index))
+        # An epoch of the data ended in this step (the next micro-batch is in a later epoch).
+        if self.recipe.checkpoint.save_every_epoch and self.epoch > self.epoch_saved:
+            self.epoch_saved = self.epoch
+            self._save_unless_saved()
 
     def _evaluate(self) -> float | None:
         loss, items = evaluate(

@@ -43,6 +43,9 @@ class CheckpointSection(Section):
     every_steps: int | None = Field(
         None, gt=0, description="Save a resumable checkpoint every N steps (and at the end)."
     )
+    save_every_epoch: bool = Field(
+        False, description="Also save a resumable checkpoint at the step where each epoch of the data ends."
+    )
     keep_last: int = Field(2, gt=0, description="Resumable checkpoints to keep; older ones are deleted.")
     save_final: bool = Field(
         True,
