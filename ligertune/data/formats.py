@@ -103,15 +103,11 @@ def chat_options(fmt: str, columns: dict | None, roles: dict | None, think_block
     return ChatOptions.for_source(fmt == "sharegpt", columns or {}, roles or {}, think_blocks)
 
 
-def rename_columns(dataset, fmt: str, columns: dict[str, str], source: str):
-    """`dataset` with the columns ``data.columns`` maps renamed to the format's field names (the
-    message keys ``role``/``content`` are read inside each message instead). A mapped column
-    the dataset lacks is an error naming it and the columns it has."""
-    renames = {column: field for field, column in columns.items() if field not in ("role", "content")}
-    if not renames:
-        return dataset
-    # A stream's features may be unknown: its first row names the columns then.
-    found = list(dataset.column_names if dataset.column_names is not None else next(iter(dataset.take(1))))
+def column_renames(columns: dict[str, str] | None, found: list[str], source: str) -> dict[str, str]:
+    """``data.columns`` as {dataset column: field} renames, checked against the dataset's columns
+    `found` (the message keys ``role``/``content`` are read inside each message instead): a
+    mapped column the dataset lacks, or a field it already has besides, is a DataError naming it."""
+    renames = {column: field for field, column in (columns or {}).items() if field not in ("role", "content")}
     missing = [column for column in renames if column not in found]
     if missing:
         fields = ", ".join(f"{renames[c]}: {c}" for c in missing)
@@ -125,7 +121,17 @@ def rename_columns(dataset, fmt: str, columns: dict[str, str], source: str):
             f"{source}: data.columns renames a column to {', '.join(clash)}, which the dataset already has; "
             "map that field to one column only"
         )
-    return dataset.rename_columns(renames)
+    return renames
+
+
+def rename_columns(dataset, columns: dict[str, str] | None, source: str):
+    """`dataset` with the columns ``data.columns`` maps renamed to the format's field names."""
+    if not any(field not in ("role", "content") for field in columns or {}):
+        return dataset
+    # A stream's features may be unknown: its first row names the columns then.
+    found = list(dataset.column_names if dataset.column_names is not None else next(iter(dataset.take(1))))
+    renames = column_renames(columns, found, source)
+    return dataset.rename_columns(renames) if renames else dataset
 
 
 def check_columns(fmt: str, found: Sequence[str], source: str, messages_field: str | None = None) -> None:

@@ -28,6 +28,7 @@ from ligertune.data.formats import (
     canonical_format,
     chat_options,
     check_columns,
+    column_renames,
     default_messages_field,
     pretokenized_samples,
     prompt_completion_segments,
@@ -143,16 +144,7 @@ def _first_rows_of_folder(path: Path, split: str, count: int) -> tuple[list[dict
 
 def mapped(rows: list[dict], columns: list[str], spec: SourceSpec, name: str) -> tuple[list[dict], list[str]]:
     """Rows and columns with ``data.columns`` applied, as `train` renames them."""
-    renames = {
-        column: field for field, column in (spec.columns or {}).items() if field not in ("role", "content")
-    }
-    missing = [column for column in renames if column not in columns]
-    if missing:
-        fields = ", ".join(f"{renames[c]}: {c}" for c in missing)
-        raise DataError(
-            f"{name}: data.columns maps {fields}, but the dataset has no column "
-            f"{', '.join(map(repr, missing))}; its columns: {', '.join(columns) or 'none'}"
-        )
+    renames = column_renames(spec.columns, columns, name)
     return [{renames.get(k, k): v for k, v in row.items()} for row in rows], [
         renames.get(c, c) for c in columns
     ]

@@ -139,7 +139,7 @@ class _Builder:
         if key not in self._loaded:
             spec = self.specs[index]
             dataset, name = load_split(spec, split)
-            dataset = rename_columns(dataset, spec.format, spec.columns or {}, name)
+            dataset = rename_columns(dataset, spec.columns, name)
             check_columns(spec.format, dataset.column_names, name, spec.messages_field)
             self._loaded[key] = dataset, name
         return self._loaded[key]

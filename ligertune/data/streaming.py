@@ -107,7 +107,7 @@ def build_streaming(recipe: Recipe, tokenizer: PreTrainedTokenizerBase, log: Log
     sources = []
     for spec in source_specs(recipe):
         stream, name = load_split(spec, spec.split, streaming=True)
-        stream = rename_columns(stream, spec.format, spec.columns or {}, name)
+        stream = rename_columns(stream, spec.columns, name)
         check_columns(spec.format, stream_columns(stream), name, spec.messages_field)
         sources.append((spec, stream, name))
     log(f"streaming {', '.join(name for _, _, name in sources)}: samples are tokenised while training")
@@ -124,7 +124,7 @@ def _materialise(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> tuple[Se
     samples = []
     for spec in source_specs(recipe):
         stream, name = load_split(spec, data.validation_split, streaming=True)
-        stream = rename_columns(stream, spec.format, spec.columns or {}, name)
+        stream = rename_columns(stream, spec.columns, name)
         check_columns(spec.format, stream_columns(stream), name, spec.messages_field)
         samples += tokenize_rows(
             spec.format,
