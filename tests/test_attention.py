@@ -19,7 +19,8 @@ from ligertune.models.attention import (
 from ligertune.tools.providers import PROVIDERS
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"]
-BACKENDS = ["sdpa", "eager", "flex_attention"]
+# FlexAttention without a GPU runs its unfused reference (tens of seconds for some families): slow.
+BACKENDS = ["sdpa", "eager", pytest.param("flex_attention", marks=pytest.mark.slow)]
 
 
 def tiny_config(model_type: str, **overrides):

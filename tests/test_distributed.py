@@ -357,6 +357,7 @@ def test_ddp_says_why_it_did_not_evaluate_a_validation_split_smaller_than_the_wo
     assert summary["eval_skipped"].startswith(why) and summary["eval_loss"] is None
 
 
+@pytest.mark.slow
 def test_bad_launch_options_fail_before_any_process_starts(tmp_path):
     # Recipe problems are found once, in the launcher: status 2, no torchrun.
     done = subprocess.run(

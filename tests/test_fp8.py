@@ -40,6 +40,7 @@ def test_the_transform_converts_them_and_says_so(tmp_path):
     assert "without training.compile" in reports["fp8"]
 
 
+@pytest.mark.slow
 def test_a_short_run_with_fp8_follows_the_run_without(tmp_path):
     steps = ["training.max_steps=6", "training.lr=1e-3"]
     plain = train(load_recipe(QUICKSTART, [*CPU_RUN, *steps, f"output_dir={tmp_path / 'plain'}"]))
@@ -54,14 +55,14 @@ def test_a_short_run_with_fp8_follows_the_run_without(tmp_path):
 
 def test_fp8_on_the_cpu_says_it_is_emulated_before_the_run_through_the_cli(tmp_path):
     """FP8 on a CPU is torchao's emulation: slower than fp32 for nothing (129 s for two quickstart
-    steps). It still runs (this file's tests use it), with a warning first, even with -q; so
+    steps). It still runs (this file's tests use it), with a warning first (a warning: -q shows it too); so
     does DeepSpeed on the CPU, whose op build takes a minute or more in silence."""
     from typer.testing import CliRunner
 
     from ligertune.cli import app
     from ligertune.config.environment_rules import machine_warnings
 
-    args = ["-q", "train", str(QUICKSTART), *CPU_RUN, "training.fp8=rowwise", "training.max_steps=1"]
+    args = ["train", str(QUICKSTART), *CPU_RUN, "training.fp8=rowwise", "training.max_steps=1"]
     result = CliRunner().invoke(app, [*args, f"output_dir={tmp_path}"])
     assert result.exit_code == 0, result.output
     assert "warning: training.fp8: rowwise on the CPU is emulated by torchao" in result.output

@@ -21,6 +21,9 @@ from ligertune.tools.generate import GenerateError, Generator, generate, resolve
 from ligertune.training import train
 from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT, TINY_MODEL, pythonpath_with_root
 
+# Real runs of every strategy (fsdp, ZeRO-3, LoRA) behind the fixtures: outside the quick subset.
+pytestmark = pytest.mark.slow
+
 PROMPT = "Give three tips for staying healthy."
 RUN = [
     *TINY_MODEL,

@@ -57,6 +57,7 @@ def test_eval_scores_a_run_on_a_local_task_offline(tmp_path):
     assert unknown.exit_code == 2 and "cannot load the tasks no_such_task_anywhere" in unknown.output
 
 
+@pytest.mark.slow
 def test_eval_tasks_in_a_recipe_run_at_the_end_with_scores_in_metrics_and_summary(tmp_path):
     args = ["train", str(QUICKSTART), *RUN, f"eval.tasks=[{TASK}]", "eval.limit=6", f"output_dir={tmp_path}"]
     done = runner.invoke(app, args)

@@ -84,6 +84,7 @@ def test_export_writes_safetensors_in_the_dtype_asked_and_they_load(runs, tmp_pa
     assert (out / "recipe.yaml").is_file() and (out / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_export_push_to_hub_offline_fails_in_one_line_and_keeps_the_folder(runs, tmp_path):
     import os
     import subprocess

@@ -311,6 +311,7 @@ def test_activation_checkpointing_keeps_gradients():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_is_exact(tmp_path):
     """20 steps straight vs 10 steps, stop, resume for 10: identical losses at steps 11..20.
     GA 2 over a small sample, so windows and resumes cross epoch boundaries."""
