@@ -236,5 +236,7 @@ def test_validate_reads_the_first_rows_of_the_data_as_train_would(tmp_path):
     )
     assert checked.returncode == 0, checked.stderr
     assert "data.path (" in checked.stdout and "the first 1 rows tokenise to" in checked.stdout
+    broken = cli("validate", "quickstart", f"data.path={ROOT / 'tests' / 'data' / 'malformed.jsonl'}")
+    assert broken.returncode == 2 and "malformed.jsonl: line 2 is not valid JSON" in broken.stderr
     hub = cli("validate", "recipes/llama3-8b-alpaca.yaml", "-f", "none")
     assert hub.returncode == 0 and "tatsu-lab/alpaca is a hub dataset" in hub.stdout

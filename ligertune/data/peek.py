@@ -33,7 +33,7 @@ from ligertune.data.formats import (
     pretokenized_samples,
     prompt_completion_segments,
 )
-from ligertune.data.sources import BUILDERS, SourceSpec, source_specs
+from ligertune.data.sources import BUILDERS, SourceSpec, json_problem, source_specs
 from ligertune.errors import DataError
 
 if TYPE_CHECKING:
@@ -87,8 +87,6 @@ def _first_json_rows(path: Path, count: int) -> list[dict[str, Any]]:
     with open(path, encoding="utf-8") as f:
         head = f.read(1 << 16).lstrip()
     if head.startswith("["):  # one JSON value: parsed whole
-        from ligertune.data.sources import json_problem
-
         problem = json_problem(path)
         if problem:
             raise DataError(f"{path}: {problem}")
@@ -99,14 +97,13 @@ def _first_json_rows(path: Path, count: int) -> list[dict[str, Any]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = json.loads(line.rstrip("\n"))
             except json.JSONDecodeError as e:
-                if number == 1 and head.startswith("{"):  # one JSON object spread over lines
-                    whole = json.loads(path.read_text(encoding="utf-8"))
-                    return [
-                        dict(zip(whole, values, strict=False))
-                        for values in zip(*whole.values(), strict=False)
-                    ][:count]
+                if number == 1 and head.startswith("{"):  # one JSON object over several lines
+                    problem = json_problem(path)
+                    if problem:
+                        raise DataError(f"{path}: {problem}") from None
+                    return _object_rows(json.loads(path.read_text(encoding="utf-8")), count)
                 raise DataError(
                     f"{path}: line {number} is not valid JSON: {e.msg} at column {e.colno}"
                 ) from None
@@ -118,6 +115,16 @@ def _first_json_rows(path: Path, count: int) -> list[dict[str, Any]]:
             if len(rows) == count:
                 break
     return rows
+
+
+def _object_rows(whole: dict[str, Any], count: int) -> list[dict[str, Any]]:
+    """A JSON file of one object spread over lines: columns of lists (one row per position), or
+    a single row."""
+    if whole and all(isinstance(v, list) for v in whole.values()):
+        return [dict(zip(whole, values, strict=False)) for values in zip(*whole.values(), strict=False)][
+            :count
+        ]
+    return [whole]
 
 
 def _first_rows_of_folder(path: Path, split: str, count: int) -> tuple[list[dict], list[str], str]:

@@ -24,6 +24,7 @@ from torch import nn
 
 from ligertune.config import Recipe, load_recipe
 from ligertune.errors import DataError, RecipeError
+from ligertune.lora import apply_lora
 from ligertune.models.build import build_model
 from ligertune.run.checkpoint import CheckpointManager
 
@@ -89,7 +90,5 @@ def load_adapted(adapter: Path) -> tuple[nn.Module, object]:
 def adapt_for_checkpoint(model: nn.Module, recipe: Recipe) -> nn.Module:
     """A rebuilt base wrapped with the recipe's LoRA adapters as training wrapped it, so that a
     LoRA checkpoint's keys (adapters only) load into it."""
-    from ligertune.lora import apply_lora
-
     adapted, _ = apply_lora(model, recipe)
     return adapted
