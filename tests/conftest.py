@@ -30,3 +30,24 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# The quick subset (`-m "not slow"`, README) stays quick only if long tests carry the marker:
+# the session ends by naming the unmarked ones that took longer than this (a note, not a
+# failure: timings on a shared machine vary).
+SLOW_SECONDS = 20.0
+_unmarked_slow: list[tuple[str, float]] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.duration > SLOW_SECONDS and "slow" not in report.keywords:
+        _unmarked_slow.append((report.nodeid, report.duration))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unmarked_slow:
+        terminalreporter.write_sep(
+            "-", f"over {SLOW_SECONDS:.0f} s without the slow marker (add @pytest.mark.slow)"
+        )
+        for nodeid, seconds in _unmarked_slow:
+            terminalreporter.write_line(f"{seconds:6.1f}s {nodeid}")

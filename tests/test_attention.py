@@ -14,14 +14,16 @@ from ligertune.models.attention import (
     document_ids,
     document_mask_problem,
     install_document_mask,
+    unsupported_backends,
 )
 from ligertune.tools.providers import PROVIDERS
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3"]
-BACKENDS = ["sdpa", "eager", "flex_attention"]
+# FlexAttention without a GPU runs its unfused reference (tens of seconds for some families): slow.
+BACKENDS = ["sdpa", "eager", pytest.param("flex_attention", marks=pytest.mark.slow)]
 
 
-def tiny_model(model_type: str, attn: str, **overrides):
+def tiny_config(model_type: str, **overrides):
     config = dict(
         hidden_size=64,
         intermediate_size=96,
@@ -36,10 +38,16 @@ def tiny_model(model_type: str, attn: str, **overrides):
     )
     if model_type in ("mistral", "gemma2", "gemma3_text"):
         config["sliding_window"] = 8  # shorter than the samples: the window must survive our mask
+    return AutoConfig.for_model(model_type, **{**config, **overrides})
+
+
+def tiny_model(model_type: str, attn: str, **overrides):
+    config = tiny_config(model_type, **overrides)
+    refused = unsupported_backends(config).get(attn)
+    if refused:
+        pytest.skip(f"auto never builds it: {refused}")
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(model_type, **{**config, **overrides}), attn_implementation=attn
-    )
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     model.config.use_cache = False
     return model.float().eval()
 
@@ -63,9 +71,35 @@ def test_document_ids_start_a_sample_wherever_the_positions_do_not_continue():
 )
 def test_auto_picks_flex_for_packed_rows_on_cuda_and_sdpa_otherwise(requested, on_cuda, packing, expected):
     # flash-attn is not installed here; with it, auto on CUDA would pick flash_attention_2.
-    chosen, why = choose_attention(requested, on_cuda, packing)
+    chosen, why = choose_attention(requested, on_cuda, packing, tiny_config("llama"))
     assert chosen == expected
     assert why.startswith("auto:" if requested == "auto" else "as the recipe says")
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_auto_builds_every_family_with_a_backend_the_installed_transformers_supports(model_type):
+    """For every machine auto decides for (CPU or CUDA, packed or padded rows), the backend it picks
+    is one the family supports on this transformers, as transformers itself checks when it builds
+    the model; on the CPU the model also runs. (transformers 5.23 refuses SDPA for Gemma 2, whose
+    attention softcap SDPA cannot apply: auto must not pick it there, nor under 5.17.)"""
+    config = tiny_config(model_type)
+    refused = unsupported_backends(config)
+    if model_type == "gemma2":
+        assert "sdpa" in refused  # the softcap, whatever transformers declares
+    ids = torch.randint(2, 128, (1, 12), generator=torch.Generator().manual_seed(4))
+    for on_cuda in (False, True):
+        for packing in (False, True):
+            chosen, why = choose_attention("auto", on_cuda, packing, config)
+            assert chosen not in refused, (on_cuda, packing, why)
+            if chosen == "flash_attention_2":
+                continue  # flash-attn is a CUDA build; not installed on a CPU machine
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=chosen)
+            assert model.config._attn_implementation == chosen
+            if not on_cuda:
+                with torch.no_grad():
+                    assert torch.isfinite(model(input_ids=ids).logits).all()
+            for passed_over in [b for b in refused if f"passed over {b}" in why]:
+                assert refused[passed_over] in why
 
 
 @pytest.mark.parametrize("attn", BACKENDS)
@@ -152,3 +186,21 @@ def test_gpu_flex_document_mask_is_isolated_and_needs_no_host_sync(model_type):
             alone = model(input_ids=ids[:, start : start + n]).logits[0]
             assert (packed[start : start + n] - alone).abs().max() <= 1e-3
             start += n
+
+
+def test_train_gemma2_with_auto_attention_through_the_cli(tmp_path):
+    """`ligertune train` on a Gemma 2 with the default attention: it trains, and the start log
+    says auto took eager and why (transformers 5.23 refuses SDPA for Gemma 2 with a traceback)."""
+    from typer.testing import CliRunner
+
+    from ligertune.cli import app
+    from tests.helpers import PLAIN_RUN, QUICKSTART
+
+    gemma2 = (
+        "model.config={model_type: gemma2, hidden_size: 64, intermediate_size: 96, num_hidden_layers: 2, "
+        "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, vocab_size: 2048, sliding_window: 16}"
+    )
+    args = ["train", str(QUICKSTART), gemma2, *PLAIN_RUN, "training.max_steps=2", "data.max_seq_len=64"]
+    result = CliRunner().invoke(app, [*args, f"output_dir={tmp_path}"])
+    assert result.exit_code == 0, result.output
+    assert "attention: eager (auto: CPU; passed over sdpa: " in result.output

@@ -326,6 +326,7 @@ def cpu_run(tmp_path_factory):
     return out, result, time.process_time() - t0
 
 
+@pytest.mark.slow
 def test_cli_on_cpu_writes_every_file(cpu_run):
     out, result, cpu_seconds = cpu_run
     assert result.exit_code == 0, result.output

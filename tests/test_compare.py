@@ -302,6 +302,7 @@ def run_in_process(monkeypatch, tmp_path, *options, **kwargs) -> tuple[int, dict
     return status, json.loads((tmp_path / "compare.json").read_text())
 
 
+@pytest.mark.slow
 def test_quickstart_compare_is_at_parity_in_fp32_with_a_stable_report(tmp_path):
     proc = run_cli(str(QUICKSTART), *SMALL, "--steps", "4", "--kernels", FAST_KERNELS, "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -327,6 +328,7 @@ def test_quickstart_compare_is_at_parity_in_fp32_with_a_stable_report(tmp_path):
     assert "parity" in proc.stdout and "wrote" in proc.stdout
 
 
+@pytest.mark.slow
 def test_a_broken_kernel_diverges_and_ablation_points_at_it(monkeypatch, tmp_path):
     status, report = run_in_process(
         monkeypatch, tmp_path, plugin("scale_rms_norm"), steps=3, kernels="rms_norm,swiglu", ablate=True
@@ -346,6 +348,7 @@ def test_a_broken_kernel_diverges_and_ablation_points_at_it(monkeypatch, tmp_pat
     assert report["verdict"]["status"] == "diverged"
 
 
+@pytest.mark.slow
 def test_ablation_leaves_out_a_kernel_the_model_has_no_module_for(monkeypatch, tmp_path):
     # The quickstart is a Llama: RMSNorm modules, no LayerNorm. Its ablation arm would be `off` again.
     status, report = run_in_process(
@@ -358,6 +361,7 @@ def test_ablation_leaves_out_a_kernel_the_model_has_no_module_for(monkeypatch, t
     assert report["verdict"]["parity"]
 
 
+@pytest.mark.slow
 def test_also_adds_an_on_arm_with_one_more_setting_measured_against_off(monkeypatch, tmp_path):
     # With --ablate too: an --also arm carries every selected kernel, layer_norm (unpatched in a
     # Llama) included, and still runs; only the layer_norm ablation arm is left out.
@@ -379,6 +383,7 @@ def test_also_adds_an_on_arm_with_one_more_setting_measured_against_off(monkeypa
     assert compared["on+attn_implementation=eager"]["verdict"]["parity"]  # eager and sdpa: same math
 
 
+@pytest.mark.slow
 def test_an_arm_out_of_memory_is_reported_and_the_other_arm_still_runs(monkeypatch, tmp_path):
     status, report = run_in_process(
         monkeypatch, tmp_path, plugin("oom_at_step_2_without_kernels"), steps=3, kernels="rms_norm"
@@ -394,6 +399,7 @@ def test_an_arm_out_of_memory_is_reported_and_the_other_arm_still_runs(monkeypat
     assert "OOM at step 2" in (tmp_path / "compare.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_torchrun_arm_runs_every_rank_and_merges_their_reports(tmp_path):
     # The nested torchrun launch, end to end on CPU: a ddp arm of 2 gloo ranks, one step. Each
     # rank runs our entry point under torchrun and writes its own report, which are merged.

@@ -40,6 +40,9 @@ from ligertune.training.transforms import TRANSFORMS
 from tests.kernels.helpers import rel_err
 from tests.test_patching import FAMILIES, grads, one_torch_thread, random_batch, tiny_model  # noqa: F401
 
+# torch.compile of every family and kernel: minutes on 2 cores, outside the quick subset.
+pytestmark = pytest.mark.slow
+
 PATHS = ["triton", "reference"]
 
 

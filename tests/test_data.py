@@ -178,7 +178,14 @@ def test_chat_without_assistant_turn_is_refused_with_counts(tok, tmp_path):
 def test_chat_template_errors_name_the_row(tok, tmp_path):
     bad_role = [{"role": "user", "content": "hi"}, {"role": "robot", "content": "beep"}]
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}, {"messages": bad_role}])
-    with pytest.raises(DataError, match=r"c\.jsonl, row 1: the chat template rejected .*unknown role robot"):
+    with pytest.raises(
+        DataError, match=r"c\.jsonl, row 1: message 1 of messages is from 'robot'; .*data\.roles"
+    ):
+        build_datasets(make_recipe(path, format="chat"), tok)
+    # A role of ours that this template does not write (the bundled one has no tool turns).
+    tool = [{"role": "user", "content": "hi"}, {"role": "tool", "content": "42"}]
+    path = write_jsonl(tmp_path / "t.jsonl", [{"messages": CONVERSATION}, {"messages": tool}])
+    with pytest.raises(DataError, match=r"t\.jsonl, row 1: the chat template rejected .*unknown role tool"):
         build_datasets(make_recipe(path, format="chat"), tok)
     no_content = [{"role": "user"}]
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": no_content}])

@@ -246,6 +246,20 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "ligertune", "train", str(QUICKSTART), *args]
 
 
+def _ddp_run(run_dir: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, str]:
+    """`ligertune train --nproc-per-node 2` on the tiny DDP recipe with `overrides`; (the process,
+    its stdout and stderr together)."""
+    done = subprocess.run(
+        _cli("--nproc-per-node", "2", *TINY, "parallel.strategy=ddp", *overrides, f"output_dir={run_dir}"),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=240,
+        cwd=ROOT,
+    )
+    return done, done.stdout + done.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rendezvous", ["c10d", "static"])
 def test_two_nodes_on_localhost_match_one_process(rendezvous, single, tmp_path):
@@ -311,7 +325,7 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_with_a_checkpoint(
     output = "".join(lines)
     assert process.returncode == 143, output[-3000:]
     summary = [r for r in read_metrics(tmp_path) if r["event"] == "summary"][-1]
-    assert summary["stopped by"] == "SIGTERM" and 3 <= summary["steps"] < 500
+    assert summary["stopped_by"] == "SIGTERM" and 3 <= summary["steps"] < 500
     saved = tmp_path / "checkpoints" / f"step-{summary['steps']}"
     assert (
         json.loads((saved / "state.json").read_text())["format"] == "dcp" and (saved / "COMPLETE").is_file()
@@ -322,28 +336,29 @@ def test_sigterm_to_the_launcher_stops_every_rank_at_one_step_with_a_checkpoint(
 def test_every_rank_names_itself_in_its_error(tmp_path):
     """A problem each rank hits only once it runs (the recipe itself is valid): every rank
     prints its error with its rank, and the job fails."""
-    done = subprocess.run(
-        _cli(
-            "--nproc-per-node",
-            "2",
-            *TINY,
-            "parallel.strategy=ddp",
-            "model.config_overrides={hidden_sizee: 64}",
-            f"output_dir={tmp_path}",
-        ),
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=240,
-        cwd=ROOT,
-    )
-    output = done.stdout + done.stderr
+    done, output = _ddp_run(tmp_path, "model.config_overrides={hidden_sizee: 64}")
     assert done.returncode != 0, output[-3000:]
     for rank in (0, 1):
         assert f"error: rank {rank}/2: invalid recipe" in output, output[-3000:]
     assert "did you mean hidden_size?" in output
 
 
+@pytest.mark.slow
+def test_ddp_says_why_it_did_not_evaluate_a_validation_split_smaller_than_the_world(tmp_path):
+    """One validation row for two processes: every rank must evaluate a batch, so there is no
+    evaluation; the start log and the summary say why (it used to be skipped silently)."""
+    done, output = _ddp_run(
+        tmp_path, "data.validation_fraction=0.001", "training.eval_every=1", "training.max_steps=2"
+    )
+    assert done.returncode == 0, output[-3000:]
+    why = "the validation split has 1 row(s), fewer than the 2 processes"
+    assert f"warning: no evaluation: {why}" in output
+    assert f"n/a (not evaluated: {why}" in output
+    summary = [r for r in read_metrics(tmp_path) if r["event"] == "summary"][-1]
+    assert summary["eval_skipped"].startswith(why) and summary["eval_loss"] is None
+
+
+@pytest.mark.slow
 def test_bad_launch_options_fail_before_any_process_starts(tmp_path):
     # Recipe problems are found once, in the launcher: status 2, no torchrun.
     done = subprocess.run(

@@ -50,6 +50,7 @@ def relative_differences(losses: list[float], reference: list[float]) -> list[fl
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_seq_len_sweep_on_random_rows_trains_both_providers_at_parity(tmp_path):
     lengths = (32, 64)
     # 3 steps, 2 of them warm-up: the rates cover exactly one step, so tokens/s × step time is
@@ -268,6 +269,7 @@ def test_bad_options_exit_with_an_argparse_error(tmp_path, capsys, args, message
     )
 
 
+@pytest.mark.slow
 def test_liger_provider_patches_the_model_through_the_plugin(monkeypatch):
     """The liger provider's `plugins: [liger]` hands the built model to Liger's instance patch;
     Liger itself is a stand-in here, recording the models it is given."""
@@ -350,6 +352,7 @@ def test_a_torchrun_arm_past_its_timeout_while_starting_is_stopped_with_its_work
     assert_reported_as_timed_out(outcome, 4, arm)
 
 
+@pytest.mark.slow
 def test_a_torchrun_arm_past_its_timeout_while_training_is_stopped_with_its_workers(tmp_path):
     # 30 s: about five times what the launch takes to reach the loop here, for a loaded CI machine.
     outcome, arm = run_past_timeout(tmp_path, nproc=2, timeout=30)

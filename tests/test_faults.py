@@ -253,6 +253,7 @@ def _assert_full_disk_kept_step_2(error: str, checkpoints: Path) -> None:
     verify_checkpoint(checkpoints / "step-2")
 
 
+@pytest.mark.slow
 def test_enospc_during_a_save_is_a_training_error_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     """The injected version (always runs): the save of step 4 writes half a file and meets
     ENOSPC, as a write to a full disk does."""

@@ -62,6 +62,7 @@ def test_tensorwise_fp8_is_all_gathered_in_float8_where_the_strategy_can(
     assert ("all-gathered in float8 by FSDP2" in reports["fp8"]) is gathered
 
 
+@pytest.mark.slow
 def test_a_short_run_with_fp8_follows_the_run_without(tmp_path):
     steps = ["training.max_steps=6", "training.lr=1e-3"]
     plain = train(load_recipe(QUICKSTART, [*CPU_RUN, *steps, f"output_dir={tmp_path / 'plain'}"]))
@@ -72,6 +73,26 @@ def test_a_short_run_with_fp8_follows_the_run_without(tmp_path):
         # float8 e4m3 keeps 3 mantissa bits: the losses agree to a few percent, not to fp32 rounding.
         assert fp8.final_loss == pytest.approx(plain.final_loss, rel=5e-2), scaling
         assert fp8.final_loss != plain.final_loss, scaling  # the float8 path really ran
+
+
+def test_fp8_on_the_cpu_says_it_is_emulated_before_the_run_through_the_cli(tmp_path):
+    """FP8 on a CPU is torchao's emulation: slower than fp32 for nothing (129 s for two quickstart
+    steps). It still runs (this file's tests use it), with a warning first (a warning: -q shows it too); so
+    does DeepSpeed on the CPU, whose op build takes a minute or more in silence."""
+    from typer.testing import CliRunner
+
+    from ligertune.cli import app
+    from ligertune.config.environment_rules import machine_warnings
+
+    args = ["train", str(QUICKSTART), *CPU_RUN, "training.fp8=rowwise", "training.max_steps=1"]
+    result = CliRunner().invoke(app, [*args, f"output_dir={tmp_path}"])
+    assert result.exit_code == 0, result.output
+    assert "warning: training.fp8: rowwise on the CPU is emulated by torchao" in result.output
+    deepspeed = load_recipe(QUICKSTART, ["parallel.strategy=deepspeed", "training.device=cpu"])
+    assert [w.split(" on the CPU")[0] for w in machine_warnings(deepspeed)] == [
+        "parallel.strategy: deepspeed"
+    ]
+    assert machine_warnings(load_recipe(QUICKSTART, ["training.device=cpu"])) == []
 
 
 def test_fp8_recipe_rules():

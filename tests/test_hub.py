@@ -52,6 +52,7 @@ def _error_lines(stderr: str) -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_push_to_hub_offline_fails_with_one_line_and_keeps_the_export(tmp_path):
     out = tmp_path / "run"
     done = _cli(

@@ -366,6 +366,7 @@ def test_ddp_and_fsdp_match_one_process_with_lora_and_resume_exactly(tmp_path):
     assert (state["format"], state["world_size"]) == ("dcp", 2)
 
 
+@pytest.mark.slow
 def test_compare_on_the_lora_quickstart(tmp_path):
     from ligertune.tools.compare import compare_command
     from tests.test_compare import quiet_console

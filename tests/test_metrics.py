@@ -139,7 +139,7 @@ def test_logger_writes_jsonl_records_and_summary(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "step 10/20 | loss non-finite" in out
     assert "eval step 10 | loss 2.0000" in out
-    assert "run summary" in out and "final loss" in out
+    assert "run summary" in out and "loss, last step" in out
 
 
 @pytest.mark.parametrize(

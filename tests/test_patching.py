@@ -176,6 +176,7 @@ def test_family_parity(model_type):
         assert err <= FP32_TOL, f"grad {name}: relative error {err:.3g}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_family_training_curve(model_type):
     """20 AdamW steps, loss normalised by num_items_in_batch on every other step. One layer and one

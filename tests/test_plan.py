@@ -550,11 +550,18 @@ def test_plan_command_fits_and_exit_2_naming_a_fix():
     assert "nothing fits" in small.output and "cheapest change" in small.output
 
 
-def test_plan_command_needs_a_target_on_cpu():
+def test_plan_command_defaults_the_target_on_cpu_and_counts_small_models():
+    """Without a GPU (a laptop planning for a server) the target is 80 GiB, said in the header;
+    the tiny quickstart model is counted in M, not as "0.00B"."""
     if torch.cuda.is_available():
         pytest.skip("a GPU is the default target")
     result = runner.invoke(app, ["plan", str(QUICKSTART)])
-    assert result.exit_code == 2 and "--gpu-memory" in result.output
+    assert result.exit_code == 0, result.output
+    header = result.output.splitlines()[0]
+    assert header.startswith("quickstart: 893.6k parameters (2 layers")
+    assert header.endswith(
+        "target 80.0 GiB per GPU (no GPU here: the default target; --gpu-memory sets another)"
+    )
 
 
 def test_auto_resolves_against_the_budget_and_keeps_the_global_batch():

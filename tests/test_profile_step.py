@@ -153,6 +153,7 @@ def test_report_without_communication_has_no_communication_line():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_cpu_run_of_two_providers_writes_a_report_each(tmp_path):
     proc = run_script(
         str(QUICKSTART), *TINY_RUN, "--providers", "eager,ligertune", *SHORT, "--out", str(tmp_path)
@@ -171,6 +172,7 @@ def test_cpu_run_of_two_providers_writes_a_report_each(tmp_path):
     assert re.search(r"\[ligertune\] exit 0 in \d+ s", proc.stdout)
 
 
+@pytest.mark.slow
 def test_two_process_gloo_run_writes_one_report_from_rank_0(tmp_path):
     proc = run_script(
         str(QUICKSTART), *TINY_RUN, "parallel.strategy=ddp", "training.device=cpu", "--providers", "eager",

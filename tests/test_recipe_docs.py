@@ -39,3 +39,14 @@ def test_reference_lists_every_key():
     text = DOC.read_text(encoding="utf-8")
     missing = [key for key in leaf_keys(Recipe) if f"| `{key}` |" not in text]
     assert not missing, missing
+
+
+def test_types_read_as_types_and_rules_read_whole():
+    """No pydantic internals in a type (training.adam_betas printed its Annotated metadata), and
+    each rule's text is its whole first paragraph (lora.combinations was cut mid-sentence)."""
+    text = DOC.read_text(encoding="utf-8")
+    assert "| `training.adam_betas` | tuple[float, float] |" in text
+    assert "Annotated" not in text and "metadata=" not in text
+    combinations = next(line for line in text.splitlines() if line.startswith("| `lora.combinations`"))
+    assert combinations.endswith("export.merge_lora needs lora. |")
+    assert "JSON/JSONL/Parquet/CSV" in text

@@ -25,7 +25,7 @@ from ligertune.training.optim import lr_factor
 from ligertune.training.resume import RESUME_RULES, WORLD_SIZE, recipe_changes
 from ligertune.training.trainer import Trainer
 from tests.helpers import QUICKSTART, ROOT
-from tests.test_train import read_metrics, tiny_recipe
+from tests.test_train import TINY, read_metrics, tiny_recipe
 
 THIS = "tests.test_resume"
 PREVIOUS_LAYOUT = ROOT / "tests" / "data" / "previous_layout"
@@ -160,14 +160,70 @@ def test_the_cli_refuses_a_changed_model_with_status_2(tmp_path):
 
     from ligertune.cli import app
 
+    # The run's own recipe file, as the checkpoint saved it: a resume from another file would be
+    # refused before the model is compared (test_a_copied_recipe_does_not_take_over_a_finished_run).
     train(tiny_recipe(tmp_path, "training.max_steps=1"))
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text((tmp_path / "checkpoints" / "step-1" / "recipe.yaml").read_text())
     result = CliRunner().invoke(
-        app, ["train", str(recipe), "training.max_steps=2", "model.config_overrides.num_hidden_layers=3"]
+        app,
+        ["train", str(recipe), "training.max_steps=2", "model.config_overrides.num_hidden_layers=3"]
+        + ["checkpoint.resume=" + str(tmp_path / "checkpoints" / "step-1")],
     )
     assert result.exit_code == 2, result.output
     assert "model.config_overrides.num_hidden_layers: 2 → 3 since the checkpoint was saved" in result.output
+
+
+def test_a_copied_recipe_does_not_take_over_a_finished_run(tmp_path):
+    """Two recipe files naming the same run (a copy that kept ``name``): the second one's
+    `train` refuses to resume the first one's finished run, with status 2, and writes nothing;
+    the first file itself still continues its run (train longer)."""
+    from typer.testing import CliRunner
+
+    from ligertune.cli import app
+
+    first, copy = tmp_path / "first.yaml", tmp_path / "copy.yaml"
+    first.write_text(QUICKSTART.read_text())
+    copy.write_text(QUICKSTART.read_text())
+    run = tmp_path / "runs" / "quickstart"
+    common = [*TINY, f"output_dir={run}", "checkpoint.export_hf=true"]
+    runner = CliRunner()
+    assert runner.invoke(app, ["train", str(first), *common, "training.max_steps=2"]).exit_code == 0
+    exported = (run / "final" / "model.safetensors").read_bytes()
+    metrics = (run / "metrics.jsonl").read_text()
+
+    refused = runner.invoke(app, ["train", str(copy), *common, "training.max_steps=4", "training.lr=1e-4"])
+    assert refused.exit_code == 2, refused.output
+    assert (
+        f"checkpoint.resume: auto would continue the finished run in {run} (step 2 of 2, started by {first})"
+        in (refused.output)
+    )
+    assert "name: copy" in refused.output
+    assert (run / "final" / "model.safetensors").read_bytes() == exported
+    assert (run / "metrics.jsonl").read_text() == metrics
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2"]
+
+    longer = runner.invoke(app, ["train", str(first), *common, "training.max_steps=3"])
+    assert longer.exit_code == 0, longer.output
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-2", "step-3"]
+
+
+def test_an_unfinished_run_continues_from_a_fresh_copy_of_its_recipe(tmp_path):
+    """A preempted job resubmitted from another copy of its recipe (a scheduler's job folder)
+    resumes, and the log says which file started the run."""
+    first, resubmitted = tmp_path / "job-1.yaml", tmp_path / "job-2.yaml"
+    for path in (first, resubmitted):
+        path.write_text(QUICKSTART.read_text())
+    overrides = [*TINY, f"output_dir={tmp_path / 'run'}", "training.max_steps=4"]
+    train(load_recipe(first, overrides), on_step_end=lambda record: record.step == 2)
+    trainer = Trainer(load_recipe(resubmitted, overrides))
+    try:
+        trainer.setup()
+        assert trainer.state.step == 2
+    finally:
+        trainer.cleanup()
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert f"was started by {first}; continuing it from {resubmitted}" in log
 
 
 def widen_the_final_norm(model, recipe) -> None:

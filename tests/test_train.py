@@ -10,6 +10,7 @@ import copy
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -310,6 +311,7 @@ def test_activation_checkpointing_keeps_gradients():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_resume_is_exact(tmp_path):
     """20 steps straight vs 10 steps, stop, resume for 10: identical losses at steps 11..20.
     GA 2 over a small sample, so windows and resumes cross epoch boundaries."""
@@ -561,6 +563,50 @@ def test_quickstart_runs_from_the_cli(tmp_path):
         "swiglu": 2,
         "fused_linear_cross_entropy": 1,
     }
+
+
+def test_the_cli_labels_window_means_and_the_last_step_and_writes_snake_case_keys(tmp_path):
+    """Step lines show the mean of the window's step losses, the summary the last step's loss:
+    each says which. Every key metrics.jsonl writes is snake_case (the summary had spaces)."""
+    from typer.testing import CliRunner
+
+    from ligertune.cli import app
+
+    args = ["train", str(QUICKSTART), *TINY, "training.max_steps=4", "logging.log_every=2"]
+    result = CliRunner().invoke(app, [*args, f"output_dir={tmp_path}"])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"step 2/4 \| loss \d+\.\d{4} \(mean of 2 steps\) \|", result.output), result.output
+    assert re.search(r"loss, last step +│ \d+\.\d{4}", result.output), result.output
+    records = read_metrics(tmp_path)
+    assert all(re.fullmatch(r"[a-z0-9_]+", key) for record in records for key in record), records[-1]
+    assert records[-1]["skipped_steps"] == 0 and records[1]["loss_steps"] == 2
+
+
+def test_save_every_epoch_saves_where_each_epoch_ends(tmp_path):
+    """checkpoint.save_every_epoch: a checkpoint at the step each pass over the data ends, its
+    state the start of the next epoch (the last one is the end-of-run save)."""
+    from typer.testing import CliRunner
+
+    from ligertune.cli import app
+
+    epochs = [
+        "training.max_steps=null",
+        "training.epochs=3",
+        "data.max_samples=24",
+        "training.micro_batch_size=4",
+    ]
+    saving = ["checkpoint.save_every_epoch=true", "checkpoint.keep_last=10"]
+    result = CliRunner().invoke(
+        app, ["train", str(QUICKSTART), *TINY, *epochs, *saving, f"output_dir={tmp_path}"]
+    )
+    assert result.exit_code == 0, result.output
+    total = read_metrics(tmp_path)[0]["total_steps"]
+    assert total % 3 == 0 and total >= 3
+    per_epoch = total // 3
+    saved = sorted(int(p.name.removeprefix("step-")) for p in (tmp_path / "checkpoints").iterdir())
+    assert saved == [per_epoch, 2 * per_epoch, 3 * per_epoch]
+    state = json.loads((tmp_path / "checkpoints" / f"step-{per_epoch}" / "state.json").read_text())
+    assert (state["epoch"], state["batch_index"]) == (1, 0)
 
 
 def test_cli_reports_bad_input_with_status_2(tmp_path):

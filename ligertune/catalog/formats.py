@@ -16,3 +16,19 @@ DATA_FORMATS: tuple[str, ...] = DataFormat.__args__
 PAIR_FORMATS = ("preference", "kto")
 # Formats of one sequence per row.
 SEQUENCE_FORMATS = tuple(f for f in DATA_FORMATS if f not in PAIR_FORMATS)
+# The fields (columns) each format reads: (required, optional). ``messages`` is another name for
+# ``chat``. `data.columns` maps these names to a dataset's own columns.
+FORMAT_FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "alpaca": (("instruction", "output"), ("input",)),
+    "prompt_completion": (("prompt", "completion"), ()),
+    "chat": (("messages",), ()),
+    "sharegpt": (("conversations",), ()),
+    "pretokenized": (("input_ids",), ("labels",)),
+    "preference": (("prompt", "chosen", "rejected"), ("ref_chosen_logps", "ref_rejected_logps")),
+    "kto": (("prompt", "completion", "label"), ("ref_logps", "ref_kl_logps")),
+}
+# Conversation formats: `data.columns` may also name the keys inside each message, and
+# `data.roles` the dataset's role names.
+MESSAGE_FORMATS = ("chat", "messages", "sharegpt")
+MESSAGE_KEYS = ("role", "content")
+ROLES = ("system", "user", "assistant", "tool")

@@ -13,7 +13,7 @@ from rich.markup import escape
 from ligertune.cli.common import command, console, print_problems, recipes_app, usage
 from ligertune.config import load_recipe, recipe_to_yaml, shipped_recipes
 from ligertune.config.rules import model_problems
-from ligertune.errors import RecipeError
+from ligertune.errors import DataError, RecipeError
 from ligertune.files import write_new
 
 
@@ -36,14 +36,18 @@ def validate(
     check: bool = typer.Option(
         False,
         "--check",
-        help="Also build the model and compare it patched vs unpatched on one random batch "
-        "(loss, logits, every gradient). Shrink big models with model.config_overrides.",
+        help="Also tokenise the first rows of each local data source as train will, and build the model "
+        "and compare it patched vs unpatched on one random batch (loss, logits, every gradient). "
+        "Shrink big models with model.config_overrides.",
     ),
 ) -> None:
     """Validate recipes and print each one fully resolved (defaults filled in).
 
-    With --check, also run the kernel parity self-check on the recipe's model; exit status 1 when
-    it fails.
+    Reads the first rows of every local data source and checks them against the data format
+    (columns, data.columns mapping, field types, roles); hub datasets are checked when train
+    loads them. With --check, also tokenise those rows as train will and run the kernel parity
+    self-check on the recipe's model; exit status 1 when the parity check fails, 2 for any
+    problem with the recipe or its data.
 
     [bold]Examples[/]
 
@@ -68,8 +72,12 @@ def validate(
             failed = True
             print_problems(file, e.problems)
             continue
-        # Everything train refuses before building the model, validate refuses too.
+        # Everything train refuses before building the model, validate refuses too, and the
+        # first rows of each data source (the columns and fields its format reads).
         problems = model_problems(recipe)
+        data_notes: list[str] = []
+        if not problems:
+            problems, data_notes = _data_problems(recipe)
         if problems:
             failed = True
             print_problems(file, problems)
@@ -78,15 +86,23 @@ def validate(
             console.print(recipe_to_yaml(recipe), markup=False, highlight=False)
         elif fmt is Format.table:
             _print_recipe_table(file, recipe)
+        for note in data_notes:
+            console.print(f"[dim]{escape(note)}[/]", highlight=False, soft_wrap=True)
         console.print(f"[green]✓[/] {escape(file)}", highlight=False, soft_wrap=True)
         if check:
             from ligertune.tools.check import check_recipe
 
             try:
+                for line in _tokenised_sample(recipe):
+                    console.print(line, markup=False, highlight=False, soft_wrap=True)
                 result = check_recipe(recipe)
             except RecipeError as e:
                 failed = True
                 print_problems(f"{file} (--check)", e.problems)
+                continue
+            except DataError as e:
+                failed = True
+                print_problems(f"{file} (--check)", [str(e)])
                 continue
             console.print(str(result.report), markup=False, highlight=False, soft_wrap=True)
             console.print(str(result), markup=False, highlight=False, soft_wrap=True)
@@ -95,6 +111,25 @@ def validate(
         raise typer.Exit(2)
     if parity_failed:
         raise typer.Exit(1)
+
+
+def _data_problems(recipe) -> tuple[list[str], list[str]]:
+    """(problems, notes) of the recipe's data: the first rows of every local source checked
+    against its format (ligertune.data.peek; no torch, no datasets load)."""
+    from ligertune.data.peek import data_problems
+
+    try:
+        return data_problems(recipe)
+    except DataError as e:  # a source the specs themselves refuse (no data.path)
+        return [str(e)], []
+
+
+def _tokenised_sample(recipe) -> list[str]:
+    """--check: the first rows tokenised as train will (the tokenizer, the template's mask)."""
+    from ligertune.data import load_tokenizer
+    from ligertune.tools.data_sample import tokenised_sample
+
+    return tokenised_sample(recipe, load_tokenizer(recipe))
 
 
 def _print_recipe_table(title: str, recipe) -> None:
@@ -173,7 +208,8 @@ def recipes_cp(
     name: str = typer.Argument(..., help="Shipped recipe name (see `ligertune recipes`)."),
     dest: Path = typer.Argument(..., help="Where to write the copy."),
 ) -> None:
-    """Copy a shipped recipe to edit.
+    """Copy a shipped recipe to edit; the copy's name (its run directory, runs/<name>) is the new
+    file's, so it never writes into the original's runs.
 
     [bold]Example[/]
 
@@ -195,11 +231,35 @@ def recipes_cp(
     if not dest.parent.is_dir():
         what = "is a file" if dest.parent.exists() else "does not exist"
         raise usage(f"cannot write {dest}: the folder {dest.parent} {what}; create the folder first")
+    run_name = copy_name(dest)
     try:
-        write_new(dest, source.read_bytes())  # O_EXCL | O_NOFOLLOW: nothing there, not even a link
+        # O_EXCL | O_NOFOLLOW: nothing there, not even a link
+        write_new(dest, renamed(source.read_text(encoding="utf-8"), run_name).encode("utf-8"))
     except OSError as e:
         raise usage(f"cannot write {dest}: {e.strerror}") from None
-    console.print(f"wrote {dest}", markup=False, highlight=False, soft_wrap=True)
+    console.print(
+        f"wrote {dest} (name: {run_name}: it runs in runs/{run_name})",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def copy_name(dest: Path) -> str:
+    """The run name of a copy: its file's stem, with what a run name cannot hold made '-'."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", dest.stem).strip("-.")
+    return name or "run"
+
+
+def renamed(text: str, name: str) -> str:
+    """A recipe's text with its top-level ``name`` set to `name`, every other line (comments
+    included) as written; a recipe without one gets it as its first key."""
+    line = re.compile(r"^name:[^\n#]*", re.MULTILINE)
+    if line.search(text):
+        return line.sub(f"name: {name}", text, count=1)
+    body = re.search(r"^(?!#|\s*$)", text, re.MULTILINE)  # the first line that is not a comment
+    at = body.start() if body else len(text)
+    return f"{text[:at]}name: {name}\n{text[at:]}"
 
 
 @command()

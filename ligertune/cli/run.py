@@ -81,7 +81,9 @@ def plan(
         None, "--world-size", "--nproc-per-node", help="GPUs the run uses (default 1, or the strategy's 2)."
     ),
     gpu_memory: str | None = typer.Option(
-        None, "--gpu-memory", help="Memory of one GPU, e.g. 80GiB (default: the visible device's)."
+        None,
+        "--gpu-memory",
+        help="Memory of one GPU, e.g. 80GiB (default: the visible GPU's; without one, 80GiB).",
     ),
 ) -> None:
     """Will the recipe fit? Per-GPU memory breakdown and the settings that fit, without a GPU.
@@ -106,7 +108,8 @@ def plan(
     if problems:
         raise RecipeError(problems)
     world = world_size or (2 if loaded.parallel.multi_process else 1)
-    result = run_plan(loaded, world, gpu_bytes(gpu_memory), console)
+    budget, target = gpu_bytes(gpu_memory)
+    result = run_plan(loaded, world, budget, console, target)
     if not result.fits:
         raise typer.Exit(2)
 

@@ -39,6 +39,8 @@ loss) and `none`.
 
 def _type_name(annotation) -> str:
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # constraints are in the description, not pydantic's repr
+        return _type_name(typing.get_args(annotation)[0])
     if origin is typing.Literal:
         return " \\| ".join(f"`{a}`" for a in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
@@ -82,28 +84,33 @@ def _row(key: str, field) -> str:
     return f"| `{key}` | {_type_name(field.annotation)} | {_default(field)} | {field.description} |"
 
 
-def _sections(model: type[BaseModel], prefix: str, title: str = "", skip: tuple[str, ...] = ()):
-    """(title, summary, rows) of `model`'s section and then of each section inside it. Optional
-    sections are expanded at the top level only (a nested model section, a reference model,
+def _sections(
+    model: type[BaseModel], prefix: str, title: str = "", skip: tuple[str, ...] = (), about: str = ""
+):
+    """(title, what the section is, rows) of `model`'s section and then of each section inside
+    it. Optional sections (``lora``: having one turns a feature on) are expanded at the top level
+    only, with their description as what they are (a nested model section, a reference model,
     stays one row)."""
     rows, children = [], []
     for name, field in model.model_fields.items():
         if name in skip:
             continue
         child = _section_model(field.annotation, optional=not prefix)
+        optional = type(None) in typing.get_args(field.annotation)
         if f"{prefix}{name}" in _CHOSEN:
-            children.append((f"{prefix}{name}", None))
+            children.append((f"{prefix}{name}", None, ""))
         elif child is not None:
-            children.append((f"{prefix}{name}", child))
+            children.append((f"{prefix}{name}", child, field.description if optional else ""))
         else:
             rows.append(_row(f"{prefix}{name}", field))
-    yield title or prefix.rstrip(".") or "top level", "", rows
-    for path, child in children:
+    yield title or prefix.rstrip(".") or "top level", about, rows
+    for path, child, description in children:
         if child is None:
             yield from _chosen(path)
         else:
             # inside a component's section: ``parallel.fsdp (strategy: fsdp)``
-            yield from _sections(child, f"{path}.", path + title[title.find(" (") :] if title else "")
+            inner = path + title[title.find(" (") :] if title else ""
+            yield from _sections(child, f"{path}.", inner, about=description)
 
 
 def _chosen(path: str):
@@ -127,8 +134,9 @@ def render() -> str:
         if not rows and not summary:
             continue
         parts.append(f"\n## {title}\n")
-        if summary:
-            parts.append(f"{summary[0].upper()}{summary[1:]}." + ("\n" if rows else ""))
+        if summary:  # a component's one line, or what having an optional section means
+            sentence = summary[0].upper() + summary[1:] + ("" if summary.endswith(".") else ".")
+            parts.append(sentence + ("\n" if rows else ""))
         if title == "kernels":
             parts.append(f"Kernel names: {', '.join(f'`{k}`' for k in KERNEL_NAMES)}.\n")
         if rows:

@@ -175,6 +175,31 @@ def _flash_attention_on_cuda(recipe: Recipe) -> list[str]:
     return []
 
 
+# --------------------------------------------------------------------------------------------
+# Machine advice: what runs here but cannot help, said before the run spends the time
+# --------------------------------------------------------------------------------------------
+
+
+def machine_warnings(recipe: Recipe) -> list[str]:
+    """Settings that run on this machine but only slowly and for nothing, one line each, for the
+    start of `train` (warnings, so ``-q`` shows them). Not refused: the tests and a user checking
+    the path on a laptop run them on purpose; the line says what it costs and what to set."""
+    if runs_on_cuda(recipe):
+        return []
+    warnings = []
+    if recipe.training.fp8 != "none":
+        warnings.append(
+            f"training.fp8: {recipe.training.fp8} on the CPU is emulated by torchao: many times slower than "
+            "fp32 and it speeds nothing up (FP8 matmuls need an H100-class GPU); set training.fp8=none "
+            "unless you are testing the FP8 path"
+        )
+    if recipe.parallel.cpu_warning:
+        warnings.append(
+            f"parallel.strategy: {recipe.parallel.strategy} on the CPU {recipe.parallel.cpu_warning}"
+        )
+    return warnings
+
+
 # (rule name, phase, check), in the order `ligertune.config.rules` registers them.
 ENVIRONMENT_RULES = [
     ("model.type_known", "model", _model_type_known),

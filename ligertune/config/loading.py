@@ -324,7 +324,9 @@ def _describe_error(err: dict, location: _Location) -> str:
     return f"{dotted}: got {given!r}; {err['msg'].lower()}"
 
 
-def validate_recipe(raw: Any, source: str | None = None, base_dir: Path | None = None) -> Recipe:
+def validate_recipe(
+    raw: Any, source: str | None = None, base_dir: Path | None = None, source_file: Path | None = None
+) -> Recipe:
     if not isinstance(raw, dict):
         raise RecipeError(
             [f"the recipe must be a YAML mapping of sections, got {type(raw).__name__}"], source
@@ -333,7 +335,7 @@ def validate_recipe(raw: Any, source: str | None = None, base_dir: Path | None =
         recipe = Recipe.model_validate(raw)
     except ValidationError as e:
         raise RecipeError(describe_errors(e.errors()), source) from None
-    recipe._base_dir = base_dir
+    recipe._base_dir, recipe._source_file = base_dir, source_file
     problems = recipe_problems(recipe)
     if problems:
         raise RecipeError(problems, source)
@@ -384,7 +386,7 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raw = {}
     if isinstance(raw, dict) and overrides:
         raw = apply_overrides(raw, overrides)
-    return validate_recipe(raw, str(path), path.resolve().parent)
+    return validate_recipe(raw, str(path), path.resolve().parent, path.resolve())
 
 
 def _read_recipe_text(path: Path) -> str:

@@ -38,7 +38,9 @@ from ligertune.catalog.objectives import OBJECTIVES
 from ligertune.catalog.rules import Rule
 from ligertune.catalog.section import BUILTIN_PLUGINS
 from ligertune.catalog.strategies import STRATEGIES
+from ligertune.config.data_rules import DATA_RULES
 from ligertune.config.environment_rules import ENVIRONMENT_RULES
+from ligertune.config.eval_rules import EVAL_RULES
 from ligertune.config.objective_rules import OBJECTIVE_RULES
 from ligertune.config.schema import Recipe
 from ligertune.errors import shown
@@ -304,8 +306,10 @@ def _packages_installed(recipe: Recipe) -> list[str]:
             "install it with: pip install 'ligertune[fp8]'"
         )
     if recipe.lora is not None and importlib.util.find_spec("peft") is None:
+        # QLoRA's extra brings bitsandbytes too: name the one the recipe needs.
+        extra = "qlora" if recipe.model.quantize != "none" else "lora"
         problems.append(
-            "lora: needs peft, which is not installed; install it with: pip install 'ligertune[lora]'"
+            f"lora: needs peft, which is not installed; install it with: pip install 'ligertune[{extra}]'"
         )
     # Each metric logger's package has the logger's name (tensorboard, wandb, mlflow).
     for name in [n for n in recipe.logging.selected_loggers() if importlib.util.find_spec(n) is None]:
@@ -361,6 +365,10 @@ def _checkpointing_modules(recipe: Recipe) -> list[str]:
 for _name, _phase, _check in ENVIRONMENT_RULES:
     rule(_name, _phase)(_check)
 for _name, _check in OBJECTIVE_RULES:
+    rule(_name)(_check)
+# The data section's column and role mappings (`ligertune.config.data_rules`) and the eval
+# section's tasks (`ligertune.config.eval_rules`).
+for _name, _check in DATA_RULES + EVAL_RULES:
     rule(_name)(_check)
 
 

@@ -11,12 +11,18 @@ shifts them: the logits at position t are scored against labels[t + 1]):
   labelled. BOS as for alpaca.
 * ``chat`` (also spelled ``messages``): the OpenAI layout, a list of ``{role, content}``
   messages (column ``messages``), rendered with the tokenizer's chat template. Only assistant
-  turns (and the EOS after a final assistant turn) are labelled.
+  turns, each with its end-of-turn marker, are labelled (`ligertune.data.chat`), and the EOS
+  after a final assistant turn when the template's marker is not EOS itself.
 * ``sharegpt``: a list of ``{from, value}`` turns (column ``conversations``), roles human, gpt
   and system read as user, assistant and system; then as ``chat``.
+
 * ``pretokenized``: ``input_ids`` and optionally ``labels`` (default: every token), used as is.
 * ``preference`` (prompt, chosen, rejected) and ``kto`` (prompt, completion, label): two
   sequences per row, see `ligertune.data.preference`.
+
+``data.columns`` maps each field below to a dataset's own column name (`rename_columns`, applied
+as a source is loaded) and, for the conversation formats, the message keys; ``data.roles`` maps
+role names (`ligertune.data.chat.ChatOptions`).
 
 Prompt and response are tokenized separately and concatenated, so the label boundary is
 exact. The price is that no token spans that boundary: harmless for byte-level BPE (Llama 3,
@@ -33,7 +39,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ligertune.catalog.formats import PAIR_FORMATS
+from ligertune.catalog.formats import FORMAT_FIELDS, PAIR_FORMATS
+from ligertune.data.chat import ChatOptions, Segments, chat_segments, end_of_turn
 from ligertune.errors import DataError, shown
 
 if TYPE_CHECKING:
@@ -63,8 +70,6 @@ class Sample:
     empty: bool = False
 
 
-# A sample before tokenization: text pieces, each with whether its tokens are trained on.
-Segments = list[tuple[str, bool]]
 # (where the row is, for messages: "<file>, row <k>"; the row)
 Rows = Iterable[tuple[str, dict[str, Any]]]
 
@@ -117,14 +122,6 @@ def alpaca_prompt(instruction: str, input: str = "") -> str:
     return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
 
 
-# ShareGPT speakers → chat roles. user/assistant appear in some ShareGPT dumps too.
-SHAREGPT_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-}
 FORMATS = ("alpaca", "prompt_completion", "chat", "sharegpt", "pretokenized", "preference", "kto")
 # PAIR_FORMATS (the catalog's): rows of two sequences trained together, tokenised by
 # `ligertune.data.preference`.
@@ -140,18 +137,51 @@ def default_messages_field(fmt: str) -> str:
 
 
 def columns_for(fmt: str, messages_field: str | None = None) -> tuple[list[str], list[str]]:
-    """(required, optional) columns of a format."""
+    """(required, optional) columns of a format (after `rename_columns`)."""
     fmt = canonical_format(fmt)
-    field = messages_field or default_messages_field(fmt)
-    return {
-        "alpaca": (["instruction", "output"], ["input"]),
-        "prompt_completion": (["prompt", "completion"], []),
-        "chat": ([field], []),
-        "sharegpt": ([field], []),
-        "pretokenized": (["input_ids"], ["labels"]),
-        "preference": (["prompt", "chosen", "rejected"], ["ref_chosen_logps", "ref_rejected_logps"]),
-        "kto": (["prompt", "completion", "label"], ["ref_logps", "ref_kl_logps"]),
-    }[fmt]
+    required, optional = FORMAT_FIELDS[fmt]
+    if fmt in ("chat", "sharegpt"):
+        required = (messages_field or default_messages_field(fmt),)
+    return list(required), list(optional)
+
+
+def chat_options(fmt: str, columns: dict | None, roles: dict | None, think_blocks: str) -> ChatOptions | None:
+    """How a source of a conversation format reads its messages; None for the other formats."""
+    fmt = canonical_format(fmt)
+    if fmt not in ("chat", "sharegpt"):
+        return None
+    return ChatOptions.for_source(fmt == "sharegpt", columns or {}, roles or {}, think_blocks)
+
+
+def column_renames(columns: dict[str, str] | None, found: list[str], source: str) -> dict[str, str]:
+    """``data.columns`` as {dataset column: field} renames, checked against the dataset's columns
+    `found` (the message keys ``role``/``content`` are read inside each message instead): a
+    mapped column the dataset lacks, or a field it already has besides, is a DataError naming it."""
+    renames = {column: field for field, column in (columns or {}).items() if field not in ("role", "content")}
+    missing = [column for column in renames if column not in found]
+    if missing:
+        fields = ", ".join(f"{renames[c]}: {c}" for c in missing)
+        raise DataError(
+            f"{source}: data.columns maps {fields}, but the dataset has no column "
+            f"{', '.join(map(repr, missing))}; its columns: {', '.join(map(shown, found)) or 'none'}"
+        )
+    clash = [field for column, field in renames.items() if field in found and field not in renames]
+    if clash:
+        raise DataError(
+            f"{source}: data.columns renames a column to {', '.join(clash)}, which the dataset already has; "
+            "map that field to one column only"
+        )
+    return renames
+
+
+def rename_columns(dataset, columns: dict[str, str] | None, source: str):
+    """`dataset` with the columns ``data.columns`` maps renamed to the format's field names."""
+    if not any(field not in ("role", "content") for field in columns or {}):
+        return dataset
+    # A stream's features may be unknown: its first row names the columns then.
+    found = list(dataset.column_names if dataset.column_names is not None else next(iter(dataset.take(1))))
+    renames = column_renames(columns, found, source)
+    return dataset.rename_columns(renames) if renames else dataset
 
 
 def check_columns(fmt: str, found: Sequence[str], source: str, messages_field: str | None = None) -> None:
@@ -175,8 +205,9 @@ def _format_hint(fmt: str, found: Sequence[str], messages_field: str | None) -> 
     if canonical_format(fmt) in ("chat", "sharegpt"):
         lists = [c for c in found if c in ("conversations", "conversation", "dialog", "chat", "turns")]
         if lists:
-            return f"; if {lists[0]} holds the messages, set data.messages_field: {lists[0]}"
-    return ""
+            return f"; if {lists[0]} holds the messages, set data.columns: {{{columns_for(fmt)[0][0]}: {lists[0]}}}"
+    missing = [c for c in columns_for(fmt, messages_field)[0] if c not in found]
+    return f"; or name the dataset's own columns: data.columns: {{{', '.join(f'{c}: ...' for c in missing)}}}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -200,12 +231,14 @@ def encode_segments(
     *,
     train_on_inputs: bool,
     add_special_tokens: bool,
+    add_eos: bool = True,
 ) -> list[Sample]:
     """Tokenize every sample's segments in one batched call, label them, and end with EOS.
 
     Untrained segments are labelled −100 unless `train_on_inputs`. With `add_special_tokens`
     the tokenizer's own prefix (BOS) and suffix wrap the sample; chat templates write their
-    own. EOS is appended unless the sample already ends with it, and is labelled when the last
+    own. EOS is appended (with `add_eos`: a chat template whose end-of-turn marker is EOS has
+    written it already) unless the sample already ends with it, and is labelled when the last
     segment is, so the model learns to stop after a response.
     """
     eos = tokenizer.eos_token_id
@@ -219,7 +252,7 @@ def encode_segments(
             ids = next(encoded)
             input_ids += ids
             labels += ids if trained or train_on_inputs else [IGNORE_INDEX] * len(ids)
-        tail = suffix if (input_ids + suffix)[-1:] == [eos] else suffix + [eos]
+        tail = suffix if not add_eos or (input_ids + suffix)[-1:] == [eos] else suffix + [eos]
         tail_trained = train_on_inputs or bool(segments and segments[-1][1])
         input_ids += tail
         labels += tail if tail_trained else [IGNORE_INDEX] * len(tail)
@@ -248,6 +281,13 @@ def prompt_completion_segments(rows: Rows) -> list[Segments]:
     return samples
 
 
+def kto_label(row: dict[str, Any], where: str) -> int:
+    """A ``kto`` row's label as 1 (desirable) or 0; DataError unless it is a boolean."""
+    if not isinstance(row["label"], bool):
+        raise DataError(f"{where}: label must be true (desirable) or false, got {row['label']!r}")
+    return int(row["label"])
+
+
 # What a row that teaches nothing lacks, by format (the pipeline's refusal names it).
 NOTHING_TO_TEACH = {
     "alpaca": "output is empty",
@@ -271,115 +311,6 @@ def empty_rows_message(wheres: list[str], count: int, total: int, fmt: str) -> s
         f"{wheres[0]}: {what}, as in {count} of the {total} rows ({others}); there would be nothing to "
         f"train on in them: remove those rows{alternative}"
     )
-
-
-def sharegpt_messages(turns: Any, field: str, where: str) -> list[dict]:
-    """ShareGPT ``[{from, value}]`` → chat ``[{role, content}]``, naming the turn at fault."""
-    if not isinstance(turns, list) or not turns:
-        raise DataError(f"{where}: {field} must be a non-empty list of {{from, value}} turns")
-    messages = []
-    for turn, message in enumerate(turns):
-        if not (
-            isinstance(message, dict)
-            and isinstance(message.get("from"), str)
-            and isinstance(message.get("value"), str)
-        ):
-            raise DataError(
-                f"{where}: turn {turn} of {field} needs text fields from and value, got {message!r}"
-            )
-        role = SHAREGPT_ROLES.get(message["from"])
-        if role is None:
-            raise DataError(
-                f"{where}: turn {turn} of {field} is from {message['from']!r}; "
-                f"ShareGPT speakers are {', '.join(SHAREGPT_ROLES)}"
-            )
-        messages.append({"role": role, "content": message["value"]})
-    return messages
-
-
-def chat_segments(
-    rows: Rows,
-    tokenizer: PreTrainedTokenizerBase,
-    messages_field: str,
-    train_on_inputs: bool,
-    sharegpt: bool = False,
-) -> list[Segments]:
-    """Split each rendered conversation into prompt text and assistant text.
-
-    The span of assistant turn i is the text the template adds between rendering turns < i
-    with a generation prompt and rendering turns ≤ i. That needs a prefix-stable template
-    (earlier turns render the same when later ones are added), checked here; with
-    `train_on_inputs` every token is trained and the whole conversation is one segment.
-    """
-    from jinja2 import TemplateError
-
-    if tokenizer.chat_template is None:
-        raise DataError(
-            f"data.format {'sharegpt' if sharegpt else 'chat'} needs a chat template, and this tokenizer has none; "
-            "set tokenizer.chat_template in the recipe"
-        )
-
-    def render(messages: list[dict], generation_prompt: bool = False) -> str:
-        return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
-        )
-
-    samples = []
-    for where, row in rows:
-        value = row[messages_field]
-        if sharegpt:
-            messages = sharegpt_messages(value, messages_field, where)
-        else:
-            messages = _check_messages(value, messages_field, where)
-        try:
-            if train_on_inputs:
-                samples.append([(render(messages), True)])
-                continue
-            segments, done = [], ""
-            for turn, message in enumerate(messages):
-                if message["role"] != "assistant":
-                    continue
-                if turn == 0:  # the span of a turn is found after the prompt before it: there is none
-                    raise DataError(
-                        f"{where}: the conversation starts with an assistant turn, which has no prompt to be "
-                        "the answer to; start it with a user or system message, or set data.train_on_inputs: true"
-                    )
-                prompt, full = render(messages[:turn], True), render(messages[: turn + 1])
-                if not (prompt.startswith(done) and full.startswith(prompt)):
-                    raise DataError(
-                        f"{where}: the chat template renders earlier turns differently once "
-                        "later turns are added, so assistant turns cannot be located for masking; set "
-                        "tokenizer.chat_template to a prefix-stable template or data.train_on_inputs: true"
-                    )
-                segments += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
-                done = full
-            rest = render(messages)[len(done) :]
-            samples.append(segments + ([(rest, False)] if rest else []))
-        except DataError:
-            raise
-        except (TemplateError, ValueError) as e:  # the template's own raise_exception, or transformers'
-            raise DataError(f"{where}: the chat template rejected the conversation: {e}") from None
-    return samples
-
-
-def _check_messages(messages: Any, field: str, where: str) -> list[dict]:
-    if not isinstance(messages, list) or not messages:
-        raise DataError(f"{where}: {field} must be a non-empty list of {{role, content}} messages")
-    for turn, message in enumerate(messages):
-        if not (
-            isinstance(message, dict)
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
-            hint = (
-                "; these are ShareGPT turns: set data.format: sharegpt"
-                if isinstance(message, dict) and "from" in message and "value" in message
-                else ""
-            )
-            raise DataError(
-                f"{where}: message {turn} of {field} needs text fields role and content, got {message!r}{hint}"
-            )
-    return messages
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,8 +359,10 @@ def tokenize_rows(
     train_on_inputs: bool,
     messages_field: str | None,
     source: str,
+    chat: ChatOptions | None = None,
 ) -> list[Sample]:
-    """Rows of one split in the given format → samples (not yet truncated)."""
+    """Rows of one split in the given format → samples (not yet truncated). `chat`: how the
+    conversation formats read their messages (default: the format's own keys and roles)."""
     fmt = canonical_format(fmt)
     if fmt in PAIR_FORMATS:
         raise DataError(f"{source}: data.format {fmt} is tokenised in pairs (ligertune.data.preference)")
@@ -437,12 +370,16 @@ def tokenize_rows(
         return pretokenized_samples(rows, len(tokenizer))
     if tokenizer.eos_token_id is None:
         raise DataError(f"data.format {fmt} appends an EOS token, and the tokenizer has none")
+    add_eos = True
     if fmt == "alpaca":
         segments, special = alpaca_segments(rows), True
     elif fmt == "prompt_completion":
         segments, special = prompt_completion_segments(rows), True
     else:
         field = messages_field or default_messages_field(fmt)
-        segments = chat_segments(rows, tokenizer, field, train_on_inputs, sharegpt=fmt == "sharegpt")
-        special = False
-    return encode_segments(tokenizer, segments, train_on_inputs=train_on_inputs, add_special_tokens=special)
+        options = chat or ChatOptions.for_source(fmt == "sharegpt", {}, {}, "keep")
+        segments = chat_segments(rows, tokenizer, field, train_on_inputs, options)
+        special, add_eos = False, tokenizer.eos_token not in end_of_turn(tokenizer)
+    return encode_segments(
+        tokenizer, segments, train_on_inputs=train_on_inputs, add_special_tokens=special, add_eos=add_eos
+    )

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ligertune.data.formats import Located, check_columns, columns_for
+from ligertune.data.formats import Located, check_columns, column_renames, columns_for, rename_columns
 from ligertune.errors import DataError
 
 if TYPE_CHECKING:
@@ -51,33 +51,49 @@ _TEXT = "utf-8-sig"
 
 
 def load_local(
-    path: Path, split: str, fmt: str, messages_field: str | None
+    path: Path, split: str, fmt: str, messages_field: str | None, columns: dict[str, str] | None = None
 ) -> tuple[datasets.Dataset, Located]:
     """One split of the local dataset `path` (a file, a directory of files, or a folder written by
-    ``save_to_disk``), its columns checked against the format's, and how to name its rows."""
+    ``save_to_disk``), its columns renamed as ``data.columns`` maps them (`columns`) and checked
+    against the format's, and how to name its rows."""
     if path.is_dir():
-        return _load_directory(path, split, fmt, messages_field)
+        return _load_directory(path, split, fmt, messages_field, columns)
     if split != "train":
         raise DataError(
             f"{path}: a single file holds one split, train, not {split!r}; point data.path at a directory "
             "or dataset with that split, or hold out data.validation_fraction instead"
         )
-    return load_file(path, fmt, messages_field)
+    return load_file(path, fmt, messages_field, columns)
 
 
-def load_file(path: Path, fmt: str, messages_field: str | None) -> tuple[datasets.Dataset, Located]:
-    """One data file, by its suffix (module docstring), its columns checked."""
+def file_builder(path: Path) -> str:
+    """How a data file is read, by its suffix (`BUILDERS`); DataError for another type or an
+    empty file."""
     builder = BUILDERS.get(path.suffix.lower())
     if builder is None:
         raise DataError(f"{path}: unsupported file type {path.suffix!r}; use one of {', '.join(BUILDERS)}")
     if path.stat().st_size == 0:
         raise DataError(f"{path}: the file is empty")
+    return builder
+
+
+def text_rows(path: Path, builder: str) -> Iterator[dict[str, Any]]:
+    """The rows of a JSON or CSV file as the module docstring reads them, one at a time (a JSON
+    list or object is parsed whole: the format has no head to read)."""
+    return _json_rows(path) if builder == "json" else _csv_rows(path)
+
+
+def load_file(
+    path: Path, fmt: str, messages_field: str | None, columns: dict[str, str] | None = None
+) -> tuple[datasets.Dataset, Located]:
+    """One data file, by its suffix (module docstring), its columns renamed and checked."""
+    builder = file_builder(path)
     if builder in ("json", "csv"):
         check_utf8(path)
-        rows = _json_rows(path) if builder == "json" else _csv_rows(path)
-        dataset = _as_json_text(rows, path, fmt, messages_field)
+        rows = text_rows(path, builder)
+        dataset = _as_json_text(rows, path, fmt, messages_field, columns)
         return dataset, Located(str(path), json_text=True)
-    dataset = _load_typed(path, builder)
+    dataset = rename_columns(_load_typed(path, builder), columns, str(path))
     check_columns(fmt, dataset.column_names, str(path), messages_field)
     refuse_json_columns(dataset, fmt, messages_field, str(path))
     return dataset, Located(str(path))
@@ -185,16 +201,21 @@ def _csv_rows(path: Path) -> Iterator[dict[str, Any]]:
 
 
 def _as_json_text(
-    rows: Iterable[dict[str, Any]], path: Path, fmt: str, messages_field: str | None
+    rows: Iterable[dict[str, Any]],
+    path: Path,
+    fmt: str,
+    messages_field: str | None,
+    columns: dict[str, str] | None,
 ) -> datasets.Dataset:
-    """A dataset of the format's columns (`columns_for`), each value the JSON text of the row's
-    value (None where a row lacks the key). Other columns are left out; their names count for the
-    columns check."""
+    """A dataset of the format's columns (`columns_for`, read from the keys ``data.columns`` maps
+    them to), each value the JSON text of the row's value (None where a row lacks the key). Other
+    columns are left out; their names count for the columns check."""
     import datasets
     import pyarrow as pa
 
     required, optional = columns_for(fmt, messages_field)
     wanted = required + optional
+    own = {name: (columns or {}).get(name, name) for name in wanted}  # the file's key for each
     seen: dict[str, None] = {}
     arrays: dict[str, list] = {name: [] for name in wanted}
     chunk: dict[str, list] = {name: [] for name in wanted}
@@ -208,7 +229,7 @@ def _as_json_text(
     for row in rows:
         seen.update(dict.fromkeys(row))
         for name in wanted:
-            value = row.get(name)
+            value = row.get(own[name])
             chunk[name].append(None if value is None else json.dumps(value, ensure_ascii=False))
         count += 1
         if count % _CHUNK == 0:
@@ -216,8 +237,9 @@ def _as_json_text(
     flush()
     if count == 0:
         raise DataError(f"{path}: the file has no rows")
-    check_columns(fmt, list(seen), str(path), messages_field)
-    present = [name for name in wanted if name in seen]
+    renames = column_renames(columns, list(seen), str(path))
+    check_columns(fmt, [renames.get(c, c) for c in seen], str(path), messages_field)
+    present = [name for name in wanted if own[name] in seen]
     table = pa.table({name: pa.chunked_array(arrays[name], type=pa.string()) for name in present})
     return datasets.Dataset(table)
 
@@ -281,7 +303,7 @@ def refuse_json_columns(dataset, fmt: str, messages_field: str | None, name: str
 
 
 def _load_directory(
-    path: Path, split: str, fmt: str, messages_field: str | None
+    path: Path, split: str, fmt: str, messages_field: str | None, columns: dict[str, str] | None
 ) -> tuple[datasets.Dataset, Located]:
     import datasets
 
@@ -291,12 +313,13 @@ def _load_directory(
             if split not in loaded:
                 raise DataError(f"{path}: no split {split!r}; it has {', '.join(loaded)}")
             loaded = loaded[split]
+        loaded = rename_columns(loaded, columns, str(path))
         check_columns(fmt, loaded.column_names, str(path), messages_field)
         return loaded, Located(str(path))
     splits = split_files(path)
     if split not in splits:
         raise DataError(f"{path}: no split {split!r}; its files make {', '.join(splits) or 'none'}")
-    parts = [load_file(file, fmt, messages_field) for file in splits[split]]
+    parts = [load_file(file, fmt, messages_field, columns) for file in splits[split]]
     return _concatenate(path, parts)
 
 

@@ -50,7 +50,15 @@ from ligertune.data.cache import (
     tokenizer_fingerprint,
     write_entry,
 )
-from ligertune.data.formats import Located, Sample, columns_for, empty_rows_message, tokenize_rows
+from ligertune.data.chat import ChatOptions
+from ligertune.data.formats import (
+    Located,
+    Sample,
+    chat_options,
+    columns_for,
+    empty_rows_message,
+    tokenize_rows,
+)
 from ligertune.data.packing import SequenceDataset, layout_rows, truncate_and_mask
 from ligertune.data.preference import PAIR_FORMATS, pair_features, pair_rows, tokenize_pair_batch
 from ligertune.data.prepared import DataStats, Log, PreparedData
@@ -310,6 +318,7 @@ class _Builder:
                 "messages_field": spec.messages_field,
                 "max_seq_len": self.data.max_seq_len,
                 "source": name,
+                "chat": chat_options(spec.format, spec.columns, spec.roles, self.data.think_blocks),
             },
         )
         if not pairs and not self.data.train_on_inputs:
@@ -343,6 +352,7 @@ def tokenize_batch(
     messages_field: str | None,
     max_seq_len: int,
     source: Located,
+    chat: ChatOptions | None = None,
 ) -> dict:
     """One `datasets.map` batch → samples, truncated and masked. `rows` maps a position in the
     selection back to the row number in the source, which error messages name (with its file,
@@ -354,6 +364,7 @@ def tokenize_batch(
         train_on_inputs=train_on_inputs,
         messages_field=messages_field,
         source=str(source),
+        chat=chat,
     )
     out: dict[str, list] = {"input_ids": [], "labels": [], "truncated": [], "dropped": [], "empty": []}
     for sample in samples:

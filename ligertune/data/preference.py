@@ -40,7 +40,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ligertune.data.formats import IGNORE_INDEX, PAIR_FORMATS, Located, Rows, Sample, special_affixes
+from ligertune.data.formats import (
+    IGNORE_INDEX,
+    PAIR_FORMATS,
+    Located,
+    Rows,
+    Sample,
+    kto_label,
+    special_affixes,
+)
 from ligertune.data.loader import MicroBatchLoader
 from ligertune.data.packing import SequenceDataset, layout_rows
 from ligertune.data.prepared import DataStats
@@ -157,12 +165,10 @@ def tokenize_pairs(
         if fmt == "preference":
             responses, names, label = [row["chosen"], row["rejected"]], ("chosen", "rejected"), 1
         else:
-            if not isinstance(row["label"], bool):
-                raise DataError(f"{where}: label must be true (desirable) or false, got {row['label']!r}")
             responses, names, label = (
                 [row["completion"], shifted[k]],
                 ("completion", "completion"),
-                int(row["label"]),
+                kto_label(row, where),
             )
         prompt, texts, chat = _render_pair(tokenizer, row["prompt"], responses, names, where)
         refs = [row.get(c) for c in REFERENCE_COLUMNS[fmt]]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ligertune.data.formats import Located, check_columns
+from ligertune.data.formats import Located, check_columns, rename_columns
 from ligertune.data.local import first_line, load_local, quiet_datasets, refuse_json_columns
 from ligertune.errors import DataError
 from ligertune.paths import looks_local
@@ -45,6 +45,8 @@ class SourceSpec:
     subset: str | None
     messages_field: str | None
     weight: float = 1.0
+    columns: dict | None = None  # data.columns: the format's field → this dataset's column
+    roles: dict | None = None  # data.roles: this dataset's role name → ours
 
 
 def source_specs(recipe: Recipe) -> list[SourceSpec]:
@@ -58,7 +60,18 @@ def source_specs(recipe: Recipe) -> list[SourceSpec]:
     if not data.mix:
         if data.path is None:
             raise DataError("data.path: required key is missing (or list several datasets under data.mix)")
-        return [spec("data.path", data.path, format=None, split=None, subset=None, messages_field=None)]
+        return [
+            spec(
+                "data.path",
+                data.path,
+                format=None,
+                split=None,
+                subset=None,
+                messages_field=None,
+                columns=None,
+                roles=None,
+            )
+        ]
     return [
         spec(
             f"data.mix[{i}].path",
@@ -68,6 +81,8 @@ def source_specs(recipe: Recipe) -> list[SourceSpec]:
             subset=s.subset,
             messages_field=s.messages_field,
             weight=s.weight,
+            columns=s.columns,
+            roles=s.roles,
         )
         for i, s in enumerate(data.mix)
     ]
@@ -76,11 +91,14 @@ def source_specs(recipe: Recipe) -> list[SourceSpec]:
 def load_split(
     spec: SourceSpec, split: str, streaming: bool = False
 ) -> tuple[datasets.Dataset | datasets.IterableDataset, Located]:
-    """One split of a dataset, its columns checked against the format's (a stream's on its first
-    row), and how messages name it and its rows."""
+    """One split of a dataset, its columns renamed as ``data.columns`` maps them and checked against
+    the format's (a stream's on its first row), and how messages name it and its rows."""
     if spec.local is None:
         name = f"{spec.path} (split {split})" + (f", subset {spec.subset}" if spec.subset else "")
-        dataset, located = _load_hub(spec, split, streaming), Located(name)
+        dataset, located = (
+            rename_columns(_load_hub(spec, split, streaming), spec.columns, name),
+            Located(name),
+        )
         refuse_json_columns(dataset, spec.format, spec.messages_field, name)
     else:
         path = spec.local
@@ -88,7 +106,7 @@ def load_split(
             raise DataError(f"{spec.key}: file not found: {path}")
         if spec.subset is not None:
             raise DataError(f"data.subset: {spec.subset!r} names a hub config, but {path} is a local dataset")
-        dataset, located = load_local(path, split, spec.format, spec.messages_field)
+        dataset, located = load_local(path, split, spec.format, spec.messages_field, spec.columns)
         if streaming:
             dataset = dataset.to_iterable_dataset()
     if streaming:

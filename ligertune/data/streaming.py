@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ligertune.data.formats import Located, empty_rows_message, tokenize_rows
+from ligertune.data.formats import Located, chat_options, empty_rows_message, tokenize_rows
 from ligertune.data.packing import SequenceDataset, build_rows, truncate_and_mask
 from ligertune.data.prepared import DataStats, Log, PreparedData
 from ligertune.data.sources import SourceSpec, load_split, source_specs
@@ -104,6 +104,7 @@ def _tokenise(spec: SourceSpec, rows: list, tokenizer, data, name: Located) -> l
         train_on_inputs=data.train_on_inputs,
         messages_field=spec.messages_field,
         source=str(name),
+        chat=chat_options(spec.format, spec.columns, spec.roles, data.think_blocks),
     )
     for (where, _), sample in zip(rows, samples, strict=True):
         if sample.empty:

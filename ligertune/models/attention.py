@@ -20,6 +20,14 @@ mask is causal ∧ same-document: block-diagonal.
   flash kernel handles causal rows best), and always on the CPU, where it is the reference. With
   packed rows SDPA gets a dense block-diagonal mask and runs its memory-efficient or math kernel.
 
+Each of those is taken only if the model can use it (`unsupported_backends`): its causal-LM class
+declares support in the installed transformers (``_supports_sdpa``, ``_supports_flex_attn``,
+``_supports_flash_attn``; transformers 5.23 withdrew SDPA from Gemma 2, 5.17 still declared it),
+and the model needs nothing the backend lacks: SDPA has no attention-logit softcapping, so
+transformers 5.17 silently dropped Gemma 2's softcap under SDPA (another model than the one
+trained). Passed over, ``auto`` goes on down its list, ending at ``eager``, which every model
+supports; the start log names the backend passed over and why.
+
 **The document mask** (`install_document_mask`). Left alone, transformers 5.17 finds packed rows
 from the position ids in every forward (``find_packed_sequence_indices``) and asks the host
 whether any row is packed at all, a device-to-host synchronisation in every step. We build the
@@ -58,20 +66,68 @@ _MASK_BUILDERS = {
 }
 
 
-def choose_attention(requested: str, on_cuda: bool, packing: bool) -> tuple[str, str]:
-    """The backend to build the model with, and why (for the start log)."""
+def unsupported_backends(config) -> dict[str, str]:
+    """The attention backends a model of `config` cannot use with the installed transformers,
+    each with why (see the module docstring). A model transformers does not map to a causal-LM
+    class (custom code) is left to transformers' own checks: {}."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return {}
+    flags = {"sdpa": "_supports_sdpa", "flex_attention": "_supports_flex_attn"}
+    flags["flash_attention_2"] = "_supports_flash_attn"
+    unsupported = {
+        backend: f"transformers {transformers.__version__} does not support {backend} for {model_class.__name__}"
+        for backend, flag in flags.items()
+        if not getattr(model_class, flag, False)
+    }
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        unsupported.setdefault("sdpa", "SDPA cannot apply the model's attention logit softcapping")
+    return unsupported
+
+
+def choose_attention(requested: str, on_cuda: bool, packing: bool, config=None) -> tuple[str, str]:
+    """The backend to build the model with, and why (for the start log). With the model's
+    `config`, ``auto`` passes over the backends the model cannot use (`unsupported_backends`)."""
     if requested != "auto":
         return requested, "as the recipe says"
+    unsupported = unsupported_backends(config) if config is not None else {}
+    passed_over = []
+    for backend, why in _auto_order(on_cuda, packing):
+        if backend not in unsupported:
+            skipped = "".join(f"; passed over {b}: {unsupported[b]}" for b in passed_over)
+            return backend, f"{why}{skipped}"
+        passed_over.append(backend)
+    raise AssertionError("eager is always supported")  # the last of every order
+
+
+def _auto_order(on_cuda: bool, packing: bool) -> list[tuple[str, str]]:
+    """``auto``'s preferences on this machine, best first, each with why; eager closes every list."""
+    order = []
     if on_cuda and importlib.util.find_spec("flash_attn") is not None:
-        return (
-            "flash_attention_2",
-            "auto: CUDA with flash-attn installed (variable-length calls for packed rows)",
+        order.append(
+            (
+                "flash_attention_2",
+                "auto: CUDA with flash-attn installed (variable-length calls for packed rows)",
+            )
         )
     if on_cuda and packing:
-        return "flex_attention", "auto: CUDA with packed rows (FlexAttention skips the cross-sample blocks)"
+        order.append(
+            ("flex_attention", "auto: CUDA with packed rows (FlexAttention skips the cross-sample blocks)")
+        )
     if on_cuda:
-        return "sdpa", "auto: CUDA with padded rows (SDPA's flash kernel on causal rows)"
-    return "sdpa", "auto: CPU"
+        order.append(("sdpa", "auto: CUDA with padded rows (SDPA's flash kernel on causal rows)"))
+        if not packing:
+            order.append(
+                ("flex_attention", "auto: CUDA with padded rows (FlexAttention: SDPA cannot serve it)")
+            )
+        order.append(("eager", "auto: CUDA"))
+    else:
+        order += [("sdpa", "auto: CPU"), ("eager", "auto: CPU")]
+    return order
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:

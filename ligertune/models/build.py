@@ -28,7 +28,7 @@ from torch import nn
 
 from ligertune.catalog.families import FAMILIES
 from ligertune.errors import RecipeError
-from ligertune.models.attention import choose_attention
+from ligertune.models.attention import choose_attention, unsupported_backends
 from ligertune.models.config import build_config, load_problem, model_source
 
 if TYPE_CHECKING:  # the schema is a layer above: models are built from its values, never import it
@@ -53,8 +53,12 @@ def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
     config = build_config(recipe)
     dtype = param_dtype(recipe.training.precision)
     attention, _ = choose_attention(
-        recipe.model.attn_implementation, device.type == "cuda", recipe.data.packing
+        recipe.model.attn_implementation, device.type == "cuda", recipe.data.packing, config
     )
+    # An explicit choice the model cannot use: one line, not transformers' traceback.
+    refused = unsupported_backends(config).get(attention)
+    if refused:
+        raise RecipeError([f"model.attn_implementation: {attention}: {refused}; use auto (or eager)"])
     common = dict(
         dtype=dtype,
         attn_implementation=attention,

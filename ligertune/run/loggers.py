@@ -11,7 +11,8 @@ Lines
     the top of ``train.log`` when it opens, so the file tells the whole run.
 
     This module imports rich and the standard library only: the CLI imports it for
-    ``ligertune --help`` and must not pay for torch.
+    ``ligertune --help`` and must not pay for torch. Known third-party warnings that say
+    nothing about the run are filtered here too (`ligertune.run.noise`; ``-v`` shows them).
 
 Consoles
     rich assumes 80 columns when the output is not a terminal (a pipe, a log file, CI), and
@@ -41,6 +42,7 @@ from typing import Any
 from rich.console import Console
 
 from ligertune.files import open_nofollow, write_new
+from ligertune.run.noise import install_noise_filters
 
 LOGGER = logging.getLogger("ligertune")
 
@@ -123,6 +125,7 @@ def configure_logging(verbosity: str = "normal", console: Console | None = None,
     LOGGER.addHandler(ConsoleHandler(console or make_console(), level if main else logging.WARNING))
     if main:
         LOGGER.addHandler(_StartupBuffer())
+    install_noise_filters(LOGGER, verbose=verbosity == "verbose")
 
 
 def console_handler() -> ConsoleHandler | None:

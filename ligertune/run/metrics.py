@@ -192,6 +192,14 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+def count_label(n: int) -> str:
+    """A parameter count as people say it: 1.24B, 350.0M, 4.1k (a tiny model is not "0.00B")."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.{2 if suffix == 'B' else 1}f}{suffix}"
+    return str(n)
+
+
 def _si(value: float | None, unit: str = "") -> str:
     if value is None:
         return "n/a"
@@ -199,6 +207,11 @@ def _si(value: float | None, unit: str = "") -> str:
         if abs(value) >= scale:
             return f"{value / scale:.2f}{suffix}{unit}"
     return f"{value:.1f}{unit}"
+
+
+def _window(steps: int | None) -> str:
+    """How many step losses a logged loss is the mean of, when more than one."""
+    return f" (mean of {steps} steps)" if steps and steps > 1 else ""
 
 
 def _finite(value: float | None) -> bool:
@@ -210,7 +223,7 @@ def format_train_line(record: dict[str, Any], total_steps: int) -> str:
     loss, norm = record.get("loss"), record.get("grad_norm")
     parts = [
         f"step {record['step']}/{total_steps}",
-        f"loss {loss:.4f}" if _finite(loss) else "loss non-finite",
+        (f"loss {loss:.4f}" if _finite(loss) else "loss non-finite") + _window(record.get("loss_steps")),
         f"lr {record['lr']:.3e}",
         f"grad norm {norm:.3f}" if _finite(norm) else "grad norm non-finite",
         f"{_si(record['tokens_per_s'])} tok/s ({_si(record['label_tokens_per_s'])} label)",
@@ -222,6 +235,11 @@ def format_train_line(record: dict[str, Any], total_steps: int) -> str:
     if record.get("skipped_steps"):
         parts.append(f"skipped {record['skipped_steps']}")
     return " | ".join(parts)
+
+
+# The summary table's words for the record's snake_case keys (other keys, the eval.tasks scores
+# among them, show as written).
+_EXTRA_LABELS = {"skipped_steps": "skipped steps", "stopped_by": "stopped by"}
 
 
 @dataclass
@@ -265,12 +283,23 @@ class RunSummary:
             ("mean tokens/s/GPU", _si(self.rates["tokens_per_s_per_gpu"])),
             ("MFU", f"{self.rates['mfu'] * 100:.1f}%" if self.rates["mfu"] is not None else "n/a"),
             ("peak memory", mem),
-            ("final loss", f"{self.final_loss:.4f}" if self.final_loss is not None else "n/a"),
-            ("eval loss", f"{self.eval_loss:.4f}" if self.eval_loss is not None else "n/a"),
+            ("loss, last step", f"{self.final_loss:.4f}" if self.final_loss is not None else "n/a"),
+            ("eval loss", self._eval_cell()),
         ]
-        for key, value in rows + [(k, str(v)) for k, v in self.extra.items()]:
+        extra = {k: v for k, v in self.extra.items() if k != "eval_skipped"}
+        labelled = [
+            (_EXTRA_LABELS.get(k, k), f"{v:.4f}" if isinstance(v, float) else str(v))
+            for k, v in extra.items()
+        ]
+        for key, value in rows + labelled:
             table.add_row(key, value)
         return table
+
+    def _eval_cell(self) -> str:
+        if self.eval_loss is not None:
+            return f"{self.eval_loss:.4f}"
+        skipped = self.extra.get("eval_skipped")
+        return f"n/a (not evaluated: {skipped})" if skipped else "n/a"
 
 
 class MetricsLogger:

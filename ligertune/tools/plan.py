@@ -24,6 +24,7 @@ from ligertune.plan.choose import candidates, cheapest_fix, choose, gib, rank_ch
 from ligertune.plan.estimate import estimate
 from ligertune.plan.recipe import base_setting, micro_batch_choices, recipe_checkpointing
 from ligertune.plan.setting import CHECKPOINTING, GIB, HEADROOM_FRACTION, Breakdown
+from ligertune.run.metrics import count_label
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,15 @@ class PlanResult:
     suggestion: str | None  # the cheapest fix when nothing fits
 
 
-def gpu_bytes(option: str | None) -> int:
-    """``--gpu-memory`` (``80GiB``, ``80``, ``81920MiB``), else the visible CUDA device's memory."""
+# The target without a GPU to read it from: the 80 GB class (H100, A100-80GB) most fine-tunes
+# are planned for. The header says it was assumed, and --gpu-memory changes it.
+DEFAULT_GPU_MEMORY = "80GiB"
+
+
+def gpu_bytes(option: str | None) -> tuple[int, str]:
+    """``--gpu-memory`` (``80GiB``, ``80``, ``81920MiB``), else the visible CUDA device's memory,
+    else (no GPU here, as on a laptop planning for a server) `DEFAULT_GPU_MEMORY`; with a note
+    for the header saying where the target came from."""
     if option:
         text = option.strip().lower().replace(" ", "")
         suffix, scale = next(
@@ -47,14 +55,15 @@ def gpu_bytes(option: str | None) -> int:
             ("", GIB),
         )
         try:
-            return int(float(text.removesuffix(suffix)) * scale)
+            return int(float(text.removesuffix(suffix)) * scale), ""
         except ValueError:
             raise UsageError(
                 f"--gpu-memory {option!r}: give a size such as 80GiB, 81920MiB, 80GB or a number of GiB"
             ) from None
     if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(0).total_memory
-    raise UsageError("no CUDA device here: give the target with --gpu-memory (e.g. --gpu-memory 80GiB)")
+        return torch.cuda.get_device_properties(0).total_memory, f" ({torch.cuda.get_device_name(0)})"
+    default, _ = gpu_bytes(DEFAULT_GPU_MEMORY)
+    return default, " (no GPU here: the default target; --gpu-memory sets another)"
 
 
 def _breakdown_table(b: Breakdown, budget: int) -> Table:
@@ -77,20 +86,23 @@ def _breakdown_table(b: Breakdown, budget: int) -> Table:
     return table
 
 
-def plan(recipe: Recipe, world_size: int, budget: int, console: Console) -> PlanResult:
+def plan(recipe: Recipe, world_size: int, budget: int, console: Console, target: str = "") -> PlanResult:
     """Print the breakdown and the table of choices; the result says what fits."""
     shape = recipe_shape(recipe)
     base = base_setting(recipe, world_size, frozen_shape(recipe))
     own = estimate(shape, base)
     pairs = f", {base.rows_per_sample} per sample (pairs)" if base.rows_per_sample > 1 else ""
     frozen = (
-        f", a frozen {base.frozen_role} of {base.frozen.params / 1e9:.2f}B parameters" if base.frozen else ""
+        f", a frozen {base.frozen_role} of {count_label(base.frozen.params)} parameters"
+        if base.frozen
+        else ""
     )
     console.print(
-        f"{recipe.name}: {shape.params / 1e9:.2f}B parameters ({shape.layers} layers, hidden {shape.hidden}, "
+        f"{recipe.name}: {count_label(shape.params)} parameters ({shape.layers} layers, hidden {shape.hidden}, "
         f"vocab {shape.vocab}){frozen}, {base.precision}, {base.parallel.strategy} × {world_size}, rows of "
         f"{base.seq_len} tokens{pairs}, kernels: {', '.join(sorted(base.kernels)) or 'none'}; target "
-        f"{gib(budget)} per GPU"
+        f"{gib(budget)} per GPU{target}",
+        soft_wrap=True,
     )
     console.print(_breakdown_table(own, budget))
     off = estimate(shape, replace(base, kernels=frozenset()))

@@ -12,6 +12,7 @@ goes is the `ligertune.training.state.TrainState`, which checkpoints restore.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from ligertune.distributed import Runtime
 from ligertune.models.build import build_model, check_vocab
 from ligertune.models.shape import model_shape
 from ligertune.objectives import Objective, build_objective
+from ligertune.run.metrics import count_label
 from ligertune.training.optim import autocast_for, build_optimizer, build_scheduler
 from ligertune.training.transforms import apply_transforms
 
@@ -42,6 +44,7 @@ class Data:
     loader: Any  # this rank's micro-batches of the training split
     eval_loader: Any | None  # of the validation split; None without one (or too small for the ranks)
     total_steps: int
+    eval_skipped: str | None = None  # why a validation split is not evaluated, for the summary
 
 
 @dataclass
@@ -79,7 +82,7 @@ def build(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> Compo
         counted = build_model(recipe, runtime.device, empty=True)
     shape = model_shape(counted)
     log(
-        f"built {type(model).__name__} ({count(shape.params)} parameters) in {time.perf_counter() - started:.1f} s"
+        f"built {type(model).__name__} ({count_label(shape.params)} parameters) in {time.perf_counter() - started:.1f} s"
     )
     hf_model, reports = apply_transforms(model, recipe)
     started = time.perf_counter()
@@ -122,23 +125,23 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
     loader = MicroBatchLoader(
         datasets.train, training.micro_batch_size, shuffle=recipe.data.shuffle, **loader_args
     )
-    eval_loader = None
+    eval_loader, eval_skipped = None, None
     if datasets.validation is not None:
         # A validation split smaller than a micro-batch per rank is still evaluated, in smaller
         # batches. The loader leaves out rows that do not fill a last batch on every rank
         # (fewer than batch × world size rows).
-        eval_batch = min(training.micro_batch_size, len(datasets.validation) // runtime.world_size)
+        rows = len(datasets.validation)
+        eval_batch = min(training.micro_batch_size, rows // runtime.world_size)
         if eval_batch > 0:
             eval_loader = MicroBatchLoader(datasets.validation, eval_batch, shuffle=False, **loader_args)
+        else:  # every rank must evaluate a batch; said at the start and in the summary
+            eval_skipped = (
+                f"the validation split has {rows} row(s), fewer than the {runtime.world_size} processes; "
+                "raise data.validation_fraction or use a larger data.validation_split"
+            )
+            if runtime.is_main:
+                logging.getLogger("ligertune").warning(f"warning: no evaluation: {eval_skipped}")
     total_steps = training.max_steps or math.ceil(
         training.epochs * loader.batches_per_epoch / training.gradient_accumulation_steps
     )
-    return Data(tokenizer, datasets, loader, eval_loader, total_steps)
-
-
-def count(n: int) -> str:
-    """A parameter count as people say it: 1.24B, 350.0M, 4.1k."""
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= scale:
-            return f"{n / scale:.{2 if suffix == 'B' else 1}f}{suffix}"
-    return str(n)
+    return Data(tokenizer, datasets, loader, eval_loader, total_steps, eval_skipped)

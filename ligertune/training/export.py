@@ -17,19 +17,29 @@ from ligertune.lora import is_adapted, merged_state_dict, save_adapter
 from ligertune.run.checkpoint import atomic_directory
 
 
-def export_hf(model: nn.Module, tokenizer, runtime: Runtime, directory: Path, *, merge: bool = False) -> Path:
+def export_hf(
+    model: nn.Module,
+    tokenizer,
+    runtime: Runtime,
+    directory: Path,
+    *,
+    merge: bool = False,
+    recipe_yaml: str | None = None,
+) -> Path:
     """Save weights (safetensors), config and tokenizer so that plain
     ``AutoModelForCausalLM.from_pretrained(directory)`` loads the trained model. Weights are
     written in their training dtype (fp32 for ``bf16-mixed``), so the export is exact.
 
     A LoRA run (a peft model) writes the adapter instead (`_export_lora`), and with `merge`
-    (``export.merge_lora``) a merged plain model beside it.
+    (``export.merge_lora``) a merged plain model beside it. `recipe_yaml`, the run's recipe, goes
+    along as ``recipe.yaml``: what rebuilds a LoRA adapter's base, and the data format that
+    `ligertune generate` prompts in.
 
     Written atomically (`atomic_directory`, which replaces a link in the export's place rather
     than writing through it); a folder that cannot be written is a `TrainingError` of one line:
     the run is complete and checkpointed, so a resume after the fix only exports."""
     try:
-        return _export(model, tokenizer, runtime, directory, merge)
+        return _export(model, tokenizer, runtime, directory, merge, recipe_yaml)
     except OSError as e:
         raise TrainingError(
             f"cannot write the export {directory}: {describe_os_error(e)}; the run's last checkpoint is "
@@ -37,12 +47,14 @@ def export_hf(model: nn.Module, tokenizer, runtime: Runtime, directory: Path, *,
         ) from e
 
 
-def _export(model: nn.Module, tokenizer, runtime: Runtime, directory: Path, merge: bool) -> Path:
+def _export(
+    model: nn.Module, tokenizer, runtime: Runtime, directory: Path, merge: bool, recipe_yaml: str | None
+) -> Path:
     from transformers.utils import logging as hf_logging
 
     state = runtime.full_model_state_dict(model)
     if is_adapted(runtime.unwrap(model)):
-        return _export_lora(model, tokenizer, runtime, directory, state, merge)
+        return _export_lora(model, tokenizer, runtime, directory, state, merge, recipe_yaml)
     if runtime.is_main:
         hf_model = runtime.unwrap(model)
         with atomic_directory(directory) as tmp:
@@ -56,8 +68,14 @@ def _export(model: nn.Module, tokenizer, runtime: Runtime, directory: Path, merg
                 hf_model.config.use_cache = False
                 hf_logging.enable_progress_bar()
             tokenizer.save_pretrained(tmp)
+            _write_recipe(tmp, recipe_yaml)
     runtime.barrier()
     return directory
+
+
+def _write_recipe(directory: Path, recipe_yaml: str | None) -> None:
+    if recipe_yaml is not None:
+        (directory / "recipe.yaml").write_text(recipe_yaml, encoding="utf-8")
 
 
 def merged_directory(directory: Path) -> Path:
@@ -65,7 +83,9 @@ def merged_directory(directory: Path) -> Path:
     return directory.with_name(f"{directory.name}-merged")
 
 
-def _export_lora(model, tokenizer, runtime: Runtime, directory: Path, state: dict, merge: bool) -> Path:
+def _export_lora(
+    model, tokenizer, runtime: Runtime, directory: Path, state: dict, merge: bool, recipe_yaml: str | None
+) -> Path:
     """`directory`: the adapter in peft's format plus the tokenizer
     (``PeftModel.from_pretrained(base, directory)``); with `merge`, `merged_directory`: a plain
     Hugging Face model with the adapters merged in (`ligertune.lora.merged_state_dict`), which
@@ -83,6 +103,7 @@ def _export_lora(model, tokenizer, runtime: Runtime, directory: Path, state: dic
             with atomic_directory(directory) as tmp:
                 save_adapter(peft_model, state, tmp)
                 tokenizer.save_pretrained(tmp)
+                _write_recipe(tmp, recipe_yaml)
             if merge:
                 config = copy.deepcopy(peft_model.get_base_model().config)
                 config.use_cache = True
@@ -96,6 +117,7 @@ def _export_lora(model, tokenizer, runtime: Runtime, directory: Path, state: dic
                 with atomic_directory(merged_directory(directory)) as tmp:
                     plain.save_pretrained(tmp)
                     tokenizer.save_pretrained(tmp)
+                    _write_recipe(tmp, recipe_yaml)
         finally:
             hf_logging.enable_progress_bar()
     runtime.barrier()

@@ -20,7 +20,7 @@ Resuming with a changed recipe (`recipe_changes`)
               ``on_nonfinite`` and its skip limits, ``eval_every``, ``eval_max_batches``,
               ``activation_checkpointing``, ``compile``, ``device``; ``kernels.*``,
               ``plugins`` and ``model.attn_implementation`` (the same functions computed
-              another way: numerically equivalent, logged); ``logging.*``, ``checkpoint.*``,
+              another way: numerically equivalent, logged); ``logging.*``, ``checkpoint.*``, ``eval.*``,
               ``name``, ``description``, ``output_dir``; ``parallel.fsdp.reshard_after_forward``
               and ``cpu_offload``.
     refused   the model (every other ``model.*`` key: architecture, ``config_overrides``,
@@ -73,7 +73,7 @@ from ligertune.config.loading import load_yaml
 from ligertune.distributed import Runtime
 from ligertune.errors import RecipeError
 from ligertune.run.checkpoint import CheckpointManager, load_checkpoint, missing_rng_files, restore_rng_state
-from ligertune.run.manifest import DamagedCheckpoint, verify_checkpoint
+from ligertune.run.manifest import DamagedCheckpoint, read_state, verify_checkpoint
 from ligertune.training.optim import apply_hyperparameters
 from ligertune.training.state import TrainState
 
@@ -146,9 +146,8 @@ def resume_path(recipe: Recipe, manager: CheckpointManager) -> tuple[Path | None
         return path, []
     candidate, damaged = manager.newest_intact()
     if candidate is not None:
-        return candidate, [
-            f"warning: {problem}; passed over it, resuming from {candidate}" for problem in damaged
-        ]
+        notes = [f"warning: {problem}; passed over it, resuming from {candidate}" for problem in damaged]
+        return candidate, notes + same_run_notes(recipe, candidate)
     if damaged:
         raise RecipeError(
             [
@@ -158,6 +157,34 @@ def resume_path(recipe: Recipe, manager: CheckpointManager) -> tuple[Path | None
             ]
         )
     return None, []
+
+
+def same_run_notes(recipe: Recipe, checkpoint: Path) -> list[str]:
+    """Whether an automatic resume may continue the run `checkpoint` belongs to from this recipe.
+
+    A run directory belongs to the recipe file that started it (its checkpoints record the
+    file). Two recipe files that name the same run (a copy that kept ``name``) would otherwise
+    share it: the second one's ``train`` would resume the first one's finished run and write
+    over its ``final/``. So ``auto`` refuses to continue a *finished* run (its last step saved)
+    from another recipe file. An unfinished run continues, with a line in the log: a job
+    scheduler that resubmits a preempted run from a fresh copy of its recipe must still resume
+    it. An explicit ``checkpoint.resume: <path>`` is consent and skips the check; a recipe not
+    read from a file (library use) and checkpoints from before the record are not checked."""
+    state = read_state(checkpoint)
+    started_by, total = state.get("recipe_file"), state.get("total_steps")
+    current = recipe._source_file
+    if started_by is None or current is None or Path(started_by) == current:
+        return []
+    if isinstance(total, int) and state["step"] >= total:
+        raise RecipeError(
+            [
+                f"checkpoint.resume: auto would continue the finished run in {recipe.run_dir} (step "
+                f"{state['step']} of {total}, started by {started_by}) from another recipe file, {current}, "
+                f"and write over its final/; give this recipe a run of its own (name: {current.stem}, or "
+                f"output_dir), or continue that run on purpose with checkpoint.resume={checkpoint}"
+            ]
+        )
+    return [f"resume: {recipe.run_dir} was started by {started_by}; continuing it from {current}"]
 
 
 # -- Resuming with a changed recipe ------------------------------------------------------------
@@ -248,6 +275,7 @@ RESUME_RULES: dict[str, str | Callable[[_Compared], str | None] | None] = {
     **{f"parallel.{key}": rule for strategy in STRATEGIES for key, rule in strategy.resume_rules.items()},
     "logging": _APPLY,
     "checkpoint": _APPLY,
+    "eval": _APPLY,  # what scores the model at the end, not how it trains
 }
 
 

@@ -24,15 +24,21 @@ class TrainState:
     def position(self) -> tuple[int, int]:
         return self.epoch, self.batch_index
 
-    def checkpoint_record(self, position: tuple[int, int], order: dict[str, Any]) -> dict[str, Any]:
+    def checkpoint_record(
+        self, position: tuple[int, int], order: dict[str, Any], recipe_file: Path | None, total_steps: int
+    ) -> dict[str, Any]:
         """What a checkpoint's state.json holds of the loop, at data `position` (a stop for a
         non-finite loss saves the failing step's, for a resume to replay it), with the inputs
-        of the data `order`. The step is recorded by the checkpoint itself."""
+        of the data `order`, and which recipe file runs the directory and when it is finished
+        (`ligertune.training.resume.same_run_notes`). The step is recorded by the checkpoint
+        itself."""
         return {
             "epoch": position[0],
             "batch_index": position[1],
             "order": order,
             "skipped_steps": self.skipped,
+            "recipe_file": str(recipe_file) if recipe_file else None,
+            "total_steps": total_steps,
         }
 
     @classmethod
@@ -79,3 +85,4 @@ class Progress:
     consecutive_skipped: int = 0
     last_loss: float | None = None
     eval_loss: float | None = None
+    epoch_saved: int = 0  # checkpoint.save_every_epoch: the epochs whose end is saved

@@ -57,10 +57,12 @@ from pathlib import Path
 import torch
 
 from ligertune.config import Recipe, machine_problems, recipe_to_yaml
+from ligertune.config.environment_rules import machine_warnings
 from ligertune.distributed import Runtime, create_runtime
 from ligertune.errors import OutOfMemoryError, RecipeError, TrainingError
 from ligertune.run.checkpoint import CheckpointManager
 from ligertune.run.lock import RunLock
+from ligertune.run.loggers import console_handler
 from ligertune.run.metrics import (
     MetricsLogger,
     RunSummary,
@@ -72,6 +74,7 @@ from ligertune.run.metrics import (
 from ligertune.training.auto import memory_budget, oom_suggestion, resolve_auto
 from ligertune.training.components import Components, build
 from ligertune.training.export import export_hf, push_export
+from ligertune.training.harness import HarnessError, score_run
 from ligertune.training.resume import data_order, resume, resume_path
 from ligertune.training.signals import StopSignal
 from ligertune.training.state import Progress, StepRecord, TrainResult, TrainState
@@ -101,6 +104,9 @@ class Trainer:
             raise RecipeError(problems)
         self.runtime = runtime = create_runtime(recipe)
         self.log = logging.getLogger("ligertune").info if runtime.is_main else self.log
+        if runtime.is_main:
+            for line in machine_warnings(recipe):  # slow here and for nothing: said before the wait
+                logging.getLogger("ligertune").warning(f"warning: {line}")
         # auto checkpointing / micro-batch size, planned against this GPU (ligertune.training.auto)
         resolved = resolve_auto(recipe, runtime.world_size, runtime.device)
         self.recipe = recipe = resolved.recipe
@@ -194,7 +200,7 @@ class Trainer:
             state.batch_index,
             None if training.max_steps else training.epochs,
         )
-        self.progress = Progress()
+        self.progress = Progress(epoch_saved=state.epoch)
         stop_signal = None
         reset_peak_memory(self.runtime.device)
         started = time.perf_counter()
@@ -349,6 +355,10 @@ class Trainer:
         every = recipe.checkpoint.every_steps
         if every and step % every == 0:
             self.state.last_saved = self._save(self.state.position)
+        # An epoch of the data ended in this step (the next micro-batch is in a later epoch).
+        if recipe.checkpoint.save_every_epoch and self.state.epoch > progress.epoch_saved:
+            progress.epoch_saved = self.state.epoch
+            self._save_unless_saved()
 
     def _log_window(self, record: StepRecord) -> None:
         """The train record of the logging window that ends at this step (main rank)."""
@@ -363,6 +373,7 @@ class Trainer:
                 "loss": sum(progress.window_losses) / len(progress.window_losses)
                 if progress.window_losses
                 else None,
+                "loss_steps": len(progress.window_losses),
                 "lr": record.lr,
                 "grad_norm": record.grad_norm,
                 **self.throughput.take_window(),
@@ -404,6 +415,23 @@ class Trainer:
             )
         return loss
 
+    def _score_tasks(self) -> dict[str, float]:
+        """eval.tasks through lm-evaluation-harness (`ligertune.training.harness`): a record in
+        metrics.jsonl and a line in the log; the summary lists them."""
+        started, step = time.perf_counter(), self.state.step
+        handler = console_handler()  # -v shows lm-eval's progress too
+        verbose = handler is not None and handler.level <= logging.DEBUG
+        try:
+            scores = score_run(self.recipe, self.parts.hf_model, self.parts.data.tokenizer, verbose=verbose)
+        except HarnessError as e:
+            raise TrainingError(
+                f"eval.tasks: {e}; the trained model is saved in {self.state.last_saved}"
+            ) from None
+        self.metrics.write({"event": "eval_tasks", "step": step, **scores})
+        shown = " | ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in scores.items())
+        self.log(f"eval tasks step {step} | {shown} ({time.perf_counter() - started:.1f} s)")
+        return scores
+
     def _save(self, position: tuple[int, int]) -> Path:
         """A checkpoint of the current step at data `position`. Every rank takes part: each
         writes its share of the state (sharded strategies)."""
@@ -414,7 +442,9 @@ class Trainer:
             write_state=lambda directory: self.runtime.save_state(directory, parts.model, parts.optimizer),
             format=self.runtime.checkpoint_format,
             scheduler=parts.scheduler.state_dict(),
-            state=self.state.checkpoint_record(position, self.order),
+            state=self.state.checkpoint_record(
+                position, self.order, self.recipe._source_file, parts.data.total_steps
+            ),
             recipe_yaml=recipe_to_yaml(self.recipe),
         )
         self.log(f"saved step-{step} to {path} in {time.perf_counter() - started:.1f} s")
@@ -427,7 +457,7 @@ class Trainer:
     def _finish(self, stop_signal: int | None, seconds: float) -> TrainResult:
         """After the loop: the final evaluation and export (a completed run only), the summary."""
         parts, state, progress, recipe = self.parts, self.state, self.progress, self.recipe
-        export_dir = None
+        export_dir, task_scores = None, {}
         if state.step >= parts.data.total_steps and stop_signal is None:
             eval_every = recipe.training.eval_every
             if parts.data.eval_loader is not None and not (eval_every and state.step % eval_every == 0):
@@ -440,6 +470,7 @@ class Trainer:
                     self.runtime,
                     recipe.run_dir / "final",
                     merge=recipe.export.merge_lora,
+                    recipe_yaml=recipe_to_yaml(recipe),
                 )
                 self.log(
                     f"exported the model in Hugging Face format to {export_dir} in {time.perf_counter() - started:.1f} s"
@@ -447,11 +478,16 @@ class Trainer:
                 pushed = push_export(export_dir, recipe.export, self.runtime)
                 if pushed:
                     self.log(f"uploaded the export to {pushed}")
+            if recipe.eval.tasks and self.metrics is not None:  # the main rank scores its whole model
+                task_scores = self._score_tasks()
         if self.metrics is not None:
             allocated, reserved = peak_memory_gib(self.runtime.device)
-            extra = {"skipped steps": state.skipped, "checkpoint": str(state.last_saved)}
+            extra = {"skipped_steps": state.skipped, "checkpoint": str(state.last_saved)}
             if stop_signal is not None:
-                extra["stopped by"] = signal.Signals(stop_signal).name
+                extra["stopped_by"] = signal.Signals(stop_signal).name
+            if parts.data.eval_skipped:
+                extra["eval_skipped"] = parts.data.eval_skipped
+            extra.update(task_scores)
             self.metrics.summary(
                 RunSummary(
                     steps=state.step,

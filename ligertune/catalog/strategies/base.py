@@ -62,9 +62,12 @@ class ParallelOptions(Section):
     resume_rules: ClassVar[dict[str, ResumeRule]] = {}
     # A resume must run on as many processes as saved the checkpoint (one file per rank).
     resume_same_world_size: ClassVar[bool] = False
-    # What it cannot train, and why: "lora" (adapters), "quantized" (bitsandbytes weights, QLoRA),
-    # "fp8" (torchao's float8 layers), "bf16 weights" (training.precision bf16).
+    # What it cannot do, and why: "lora" (adapters), "quantized" (bitsandbytes weights, QLoRA),
+    # "fp8" (torchao's float8 layers), "bf16 weights" (training.precision bf16), "eval.tasks"
+    # (lm-evaluation-harness on the trained model, which needs one process to hold all of it).
     unsupported: ClassVar[dict[str, str]] = {}
+    # What running it on the CPU costs, when that is more than slowness: a warning at the start.
+    cpu_warning: ClassVar[str | None] = None
     package: ClassVar[str | None] = None  # the pip extra (and importable package) it needs
     # Whether its all-gather can carry the weights of torchao's float8 layers in float8 (with
     # ``training.fp8: tensorwise``): half the bytes of a bf16 gather.

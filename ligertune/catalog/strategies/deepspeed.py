@@ -69,7 +69,13 @@ class DeepSpeedParallel(ParallelOptions):
         "quantized": "quantised weights cannot be sharded",
         "fp8": "torchao's float8 layers are not tested under DeepSpeed",
         "bf16 weights": "its bf16 mode keeps fp32 master weights in the ZeRO optimizer",
+        "eval.tasks": "the DeepSpeed engine holds the model (ZeRO-3 shards it)",
     }
+    cpu_warning: ClassVar[str | None] = (
+        "compiles DeepSpeed's shared-memory communication op the first time (a minute or more on a small "
+        "machine, silently; cached afterwards in ~/.cache/torch_extensions) and only tests the path; ddp or "
+        "fsdp run the recipe on the CPU without it"
+    )
     package: ClassVar[str | None] = "deepspeed"
     rules: ClassVar[tuple[Rule, ...]] = (Rule("parallel.deepspeed_options", options_agree),)
 

@@ -72,7 +72,10 @@ class FSDPParallel(ParallelOptions):
         "fsdp.prefetch": None,
         "fsdp.mixed_precision": PRECISION_SAVED,
     }
-    unsupported: ClassVar[dict[str, str]] = {"quantized": "quantised weights cannot be sharded"}
+    unsupported: ClassVar[dict[str, str]] = {
+        "quantized": "quantised weights cannot be sharded",
+        "eval.tasks": "the model is sharded over the processes",
+    }
     gathers_float8: ClassVar[bool] = True  # torchao's float8 tensors implement FSDP2's all-gather hooks
     rules: ClassVar[tuple[Rule, ...]] = (
         Rule("parallel.fsdp_cpu_offload_needs_gpu", cpu_offload_needs_gpu, "machine"),

@@ -25,7 +25,7 @@ from ligertune.catalog.section import RUN_NAME, ModelSection, Section
 from ligertune.catalog.strategies import STRATEGIES, ParallelOptions
 from ligertune.config.schema.data import DataSection, DataSource
 from ligertune.config.schema.model import LoraSection, TokenizerSection
-from ligertune.config.schema.run import CheckpointSection, ExportSection, LoggingSection
+from ligertune.config.schema.run import CheckpointSection, EvalSection, ExportSection, LoggingSection
 from ligertune.config.schema.training import KernelsSection, TrainingSection
 from ligertune.paths import resolve_path
 
@@ -72,6 +72,9 @@ class Recipe(Section):
     export: ExportSection = Field(
         default_factory=ExportSection, description="Where the final export goes besides the run directory."
     )
+    eval: EvalSection = Field(
+        default_factory=EvalSection, description="Benchmarks (lm-evaluation-harness) at the end of the run."
+    )
     objective: OBJECTIVES.annotation = Field(
         default_factory=OBJECTIVES.default,
         description="The loss: one of " + ", ".join(OBJECTIVES.names) + ", with its options.",
@@ -84,6 +87,9 @@ class Recipe(Section):
 
     # The directory the recipe file lives in: relative paths resolve against it.
     _base_dir: Path | None = None
+    # The recipe file itself (absolute), when it was read from one: a run records it, and an
+    # automatic resume of a finished run from another file is refused (`ligertune.training.resume`).
+    _source_file: Path | None = None
 
     @field_validator("name")
     @classmethod
@@ -148,6 +154,7 @@ __all__ = [
     "CheckpointSection",
     "DataSection",
     "DataSource",
+    "EvalSection",
     "ExportSection",
     "KernelsSection",
     "LoggingSection",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from ligertune.catalog.formats import DataFormat
@@ -17,7 +19,7 @@ MAX_SAMPLES = 2**28
 class DataSource(Section):
     """One dataset of ``data.mix``; unset keys take the data section's value."""
 
-    path: str = Field(description="Hub dataset id, or a local JSON/JSONL/Parquet file or directory.")
+    path: str = Field(description="Hub dataset id, or a local JSON/JSONL/Parquet/CSV file or directory.")
     weight: float = Field(
         1.0, gt=0, description="Relative share of the mix's samples (weights need not sum to 1)."
     )
@@ -25,6 +27,10 @@ class DataSource(Section):
     subset: str | None = Field(None, description="Hub config/subset (default: data.subset).")
     split: str | None = Field(None, description="Split to train on (default: data.split).")
     messages_field: str | None = Field(None, description="Messages column (default: data.messages_field).")
+    columns: dict[str, str] | None = Field(
+        None, description="This dataset's column names (default: data.columns)."
+    )
+    roles: dict[str, str] | None = Field(None, description="This dataset's role names (default: data.roles).")
 
 
 class DataSection(Section):
@@ -37,7 +43,7 @@ class DataSection(Section):
     )
     path: str | None = Field(
         None,
-        description="Hub dataset id, or a local JSON/JSONL/Parquet file or directory (or set mix instead).",
+        description="Hub dataset id, or a local JSON/JSONL/Parquet/CSV file or directory (or set mix instead).",
     )
     subset: str | None = Field(
         None, description="Hub dataset config (subset) name: load_dataset(path, subset)."
@@ -45,7 +51,7 @@ class DataSection(Section):
     mix: list[DataSource] | None = Field(
         None,
         description="Several datasets instead of path, each {path, weight, format, subset, split, "
-        "messages_field}; samples are drawn by weight, seeded (see README).",
+        "messages_field, columns, roles}; samples are drawn by weight, seeded (see README).",
     )
     split: str = Field("train", description="Split to train on.")
     validation_split: str | None = Field(
@@ -67,6 +73,22 @@ class DataSection(Section):
     messages_field: str | None = Field(
         None,
         description="Column holding the conversation (default: messages for chat, conversations for sharegpt).",
+    )
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="The dataset's own name for each field the format reads, e.g. {instruction: question, "
+        "output: answer} (alpaca), {prompt: query, completion: response}; chat and sharegpt also name "
+        "the keys inside each message: {messages: dialog, role: speaker, content: text}.",
+    )
+    roles: dict[str, str] = Field(
+        default_factory=dict,
+        description="chat/sharegpt: the dataset's role names as system, user, assistant or tool, e.g. "
+        "{human: user, bot: assistant} (sharegpt already reads human, gpt and system).",
+    )
+    think_blocks: Literal["keep", "mask", "strip"] = Field(
+        "keep",
+        description="Reasoning in assistant turns (<think>...</think>, chat formats): keep (trained as "
+        "written), mask (in the text, out of the loss) or strip (removed before the template renders).",
     )
     max_samples: int | None = Field(
         None,

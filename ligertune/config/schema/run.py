@@ -43,6 +43,9 @@ class CheckpointSection(Section):
     every_steps: int | None = Field(
         None, gt=0, description="Save a resumable checkpoint every N steps (and at the end)."
     )
+    save_every_epoch: bool = Field(
+        False, description="Also save a resumable checkpoint at the step where each epoch of the data ends."
+    )
     keep_last: int = Field(2, gt=0, description="Resumable checkpoints to keep; older ones are deleted.")
     save_final: bool = Field(
         True,
@@ -83,3 +86,18 @@ class ExportSection(Section):
                 f"got {value!r}; a hub repository id is owner/name, e.g. my-org/llama3-8b-alpaca"
             )
         return value
+
+
+class EvalSection(Section):
+    tasks: list[str] = Field(
+        default_factory=list,
+        description="lm-evaluation-harness tasks to score the trained model on at the end of the run "
+        "(pip install 'ligertune[eval]'), scores in metrics.jsonl and the summary: task names lm-eval "
+        "knows (their datasets come from the hub) or local task YAML files, which work offline "
+        "(ligertune://eval/tiny_qa.yaml is a tiny bundled one).",
+    )
+    limit: int | None = Field(None, gt=0, description="Score at most this many examples of each task.")
+    num_fewshot: int | None = Field(
+        None, ge=0, description="Few-shot examples per prompt (default: each task's own, else 0)."
+    )
+    batch_size: int = Field(8, gt=0, description="Sequences per forward while scoring.")

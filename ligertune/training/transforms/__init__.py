@@ -54,7 +54,9 @@ def _attention(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
     (`ligertune.models.attention`), a forward pre-hook on the causal LM that every later
     transform and wrapper leaves in place."""
     # The run's device, not the parameters' (a sharded init builds the model on the meta device).
-    _, why = choose_attention(recipe.model.attn_implementation, runs_on_cuda(recipe), recipe.data.packing)
+    _, why = choose_attention(
+        recipe.model.attn_implementation, runs_on_cuda(recipe), recipe.data.packing, model.config
+    )
     report = f"attention: {model.config._attn_implementation} ({why})"
     if recipe.data.packing:
         report += f"; {install_document_mask(model)}"
