@@ -17,6 +17,8 @@ shifts them: the logits at position t are scored against labels[t + 1]):
 * ``pretokenized``: ``input_ids`` and optionally ``labels`` (default: every token), used as is.
 * ``preference`` (prompt, chosen, rejected) and ``kto`` (prompt, completion, label): two
   sequences per row, see `ligertune.data.preference`.
+* ``prompt`` (prompt, optional answer and metadata): prompts alone, whose completions an online
+  RL objective generates, see `ligertune.data.prompts`.
 
 Prompt and response are tokenized separately and concatenated, so the label boundary is
 exact. The price is that no token spans that boundary: harmless for byte-level BPE (Llama 3,
@@ -33,7 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ligertune.catalog.formats import PAIR_FORMATS
+from ligertune.catalog.formats import PAIR_FORMATS, UNPACKED_FORMATS  # noqa: F401 (PAIR_FORMATS: re-exported)
 from ligertune.errors import DataError, shown
 
 if TYPE_CHECKING:
@@ -125,7 +127,7 @@ SHAREGPT_ROLES = {
     "assistant": "assistant",
     "system": "system",
 }
-FORMATS = ("alpaca", "prompt_completion", "chat", "sharegpt", "pretokenized", "preference", "kto")
+FORMATS = ("alpaca", "prompt_completion", "chat", "sharegpt", "pretokenized", "preference", "kto", "prompt")
 # PAIR_FORMATS (the catalog's): rows of two sequences trained together, tokenised by
 # `ligertune.data.preference`.
 
@@ -151,6 +153,7 @@ def columns_for(fmt: str, messages_field: str | None = None) -> tuple[list[str],
         "pretokenized": (["input_ids"], ["labels"]),
         "preference": (["prompt", "chosen", "rejected"], ["ref_chosen_logps", "ref_rejected_logps"]),
         "kto": (["prompt", "completion", "label"], ["ref_logps", "ref_kl_logps"]),
+        "prompt": (["prompt"], ["answer", "metadata"]),
     }[fmt]
 
 
@@ -431,8 +434,10 @@ def tokenize_rows(
 ) -> list[Sample]:
     """Rows of one split in the given format → samples (not yet truncated)."""
     fmt = canonical_format(fmt)
-    if fmt in PAIR_FORMATS:
-        raise DataError(f"{source}: data.format {fmt} is tokenised in pairs (ligertune.data.preference)")
+    if fmt in UNPACKED_FORMATS:
+        raise DataError(
+            f"{source}: data.format {fmt} is tokenised by ligertune.data.preference (pairs) or ligertune.data.prompts"
+        )
     if fmt == "pretokenized":
         return pretokenized_samples(rows, len(tokenizer))
     if tokenizer.eos_token_id is None:

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["PAIR_FORMATS", "PairLoader", "PairRows", "loader_class", "pair_rows", "tokenize_pairs"]
+__all__ = ["PAIR_FORMATS", "PairLoader", "PairRows", "pair_rows", "tokenize_pairs"]
 
 REFERENCE_COLUMNS = {
     "preference": ("ref_chosen_logps", "ref_rejected_logps"),
@@ -306,6 +306,4 @@ class PairLoader(MicroBatchLoader):
         return batch
 
 
-def loader_class(dataset: Any) -> type[MicroBatchLoader]:
-    """The loader for a dataset: `PairLoader` for `PairRows`, else `MicroBatchLoader`."""
-    return PairLoader if isinstance(dataset, PairRows) else MicroBatchLoader
+PairRows.loader = PairLoader

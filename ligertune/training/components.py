@@ -24,7 +24,7 @@ from torch import nn
 
 from ligertune.config import Recipe
 from ligertune.data import build_datasets, load_tokenizer
-from ligertune.data.preference import loader_class
+from ligertune.data.loader import loader_class
 from ligertune.distributed import Runtime
 from ligertune.models.build import build_model, check_vocab
 from ligertune.models.shape import model_shape
@@ -96,7 +96,9 @@ def build(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> Compo
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, training, data.total_steps),
         # A frozen reference or teacher is built and placed by the runtime like the policy.
-        objective=build_objective(recipe.objective, recipe=recipe, policy=hf_model, runtime=runtime),
+        objective=build_objective(
+            recipe.objective, recipe=recipe, policy=hf_model, runtime=runtime, tokenizer=data.tokenizer
+        ),
         autocast=partial(autocast_for, training.precision, runtime.device),
         model_class=type(model).__name__,
         parameters=shape.params,
@@ -117,7 +119,8 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
         world_size=runtime.world_size,
     )
     training = recipe.training
-    # Preference/kto pairs collate into [2B, S] micro-batches (ligertune.data.preference).
+    # Preference/kto pairs collate into [2B, S] micro-batches (ligertune.data.preference), prompts
+    # into left-padded [B, P] ones (ligertune.data.prompts).
     MicroBatchLoader = loader_class(datasets.train)  # noqa: N806
     loader = MicroBatchLoader(
         datasets.train, training.micro_batch_size, shuffle=recipe.data.shuffle, **loader_args
@@ -130,9 +133,10 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
         eval_batch = min(training.micro_batch_size, len(datasets.validation) // runtime.world_size)
         if eval_batch > 0:
             eval_loader = MicroBatchLoader(datasets.validation, eval_batch, shuffle=False, **loader_args)
+    # An objective that trains several steps on each window (grpo's num_iterations) takes that many.
     total_steps = training.max_steps or math.ceil(
         training.epochs * loader.batches_per_epoch / training.gradient_accumulation_steps
-    )
+    ) * recipe.objective.updates_per_window()
     return Data(tokenizer, datasets, loader, eval_loader, total_steps)
 
 

@@ -63,7 +63,8 @@ class ParallelOptions(Section):
     # A resume must run on as many processes as saved the checkpoint (one file per rank).
     resume_same_world_size: ClassVar[bool] = False
     # What it cannot train, and why: "lora" (adapters), "quantized" (bitsandbytes weights, QLoRA),
-    # "fp8" (torchao's float8 layers), "bf16 weights" (training.precision bf16).
+    # "fp8" (torchao's float8 layers), "bf16 weights" (training.precision bf16), "generation" (an
+    # objective that generates its completions with the policy while it trains).
     unsupported: ClassVar[dict[str, str]] = {}
     package: ClassVar[str | None] = None  # the pip extra (and importable package) it needs
     # Whether its all-gather can carry the weights of torchao's float8 layers in float8 (with

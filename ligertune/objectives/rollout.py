@@ -1,0 +1,153 @@
+"""Generation in the loop: completions sampled from the policy itself with a KV cache, and the
+rows the policy loss trains on.
+
+`generate` is a plain batched sampler over the model's own forward (so every patched kernel, a
+LoRA adapter and the strategy's gathered weights are what samples): one prefill over the
+left-padded prompts, then one forward of the newest token per step, reading and extending the
+transformers KV cache; the logits of the last position only (``logits_to_keep=1``). Why not
+``model.generate``: sampling takes our own `torch.Generator`, seeded from (seed, generation,
+rank), so a resumed run draws exactly the completions an uninterrupted one draws without
+saving any random state, and it skips generate's per-call setup (its stopping criteria, logits
+processors and cache class choices) that none of this needs. Per token: temperature, then
+nucleus (top-p: the smallest set of tokens holding ``top_p`` of the mass, renormalised), then
+one multinomial draw.
+
+A completion ends with the tokenizer's EOS or with the token that completes one of the stop
+strings (both kept in the completion, and trained on: stopping is an action); later tokens are
+padding outside its mask. Stop strings are looked for in the decoded text of a row's last tokens
+(as many as the longest stop string has characters: a token is at least one), so a stop string
+that a token boundary splits is found too. Each step asks once whether every row is done (one
+host synchronisation per token, as ``generate`` has).
+
+The rows (`completion_rows`): each prompt repeated G times (its group, consecutive rows),
+followed by its completion, ``[prompt (left-padded to P) | completion (right-padded to T)]``, with
+the attention mask of both, position ids counting real tokens (as in generation, so RoPE sees the
+same positions), labels on the completion tokens only, and ``completion_mask`` [R, T], from which
+the loss finds the completion positions (`ligertune.objectives.logps.completion_positions`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from ligertune.data.formats import IGNORE_INDEX
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass
+class Completions:
+    ids: torch.Tensor  # [R, T] int64: the generated tokens, padding after the end
+    mask: torch.Tensor  # [R, T] bool: the completion's tokens (its stop token included)
+    stopped: torch.Tensor  # [R] bool: ended by EOS or a stop string (else cut at max_new_tokens)
+
+
+def generator_seed(seed: int, generation: int, rank: int) -> int:
+    """The seed of generation batch `generation` on `rank`: independent streams from the recipe's
+    seed (numpy's SeedSequence mixing), the same on a resume."""
+    return int(np.random.SeedSequence([seed, generation, rank]).generate_state(1, np.uint64)[0] >> 1)
+
+
+def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
+    """One token per row [B] from the last position's logits [B, V] (module docstring)."""
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # A token stays when the mass before it is below top_p (the first always does).
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _stop_hits(tokenizer, ids: torch.Tensor, rows: list[int], stop: tuple[str, ...]) -> list[int]:
+    """The rows among `rows` whose newest token completes one of the `stop` strings."""
+    width = max(len(s) for s in stop)
+    tails = ids[rows, -width:].tolist()
+    # Any occurrence in the tail is new: an earlier one would have ended the row when it appeared.
+    return [
+        row for row, tail in zip(rows, tails, strict=True) if any(s in tokenizer.decode(tail) for s in stop)
+    ]
+
+
+@torch.no_grad()
+def generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    sampling: Sampling,
+    generator: torch.Generator,
+    *,
+    eos_token_id: int | None,
+    pad_token_id: int,
+    tokenizer=None,
+) -> Completions:
+    """Sample completions of the left-padded prompts [R, P] (module docstring). `tokenizer`
+    decodes for the stop strings."""
+    rows = input_ids.shape[0]
+    device = input_ids.device
+    positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+    tokens, masks = [], []
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    last = positions[:, -1:]
+    for _ in range(sampling.max_new_tokens):
+        token = sample_next(out.logits[:, -1], sampling, generator)
+        token = torch.where(done, pad_token_id, token)
+        masks.append(~done)
+        tokens.append(token)
+        ended = ~done & (token == eos_token_id) if eos_token_id is not None else torch.zeros_like(done)
+        if sampling.stop:
+            live = (~done & ~ended).nonzero()[:, 0].tolist()
+            hits = _stop_hits(tokenizer, torch.stack(tokens, 1), live, sampling.stop) if live else []
+            ended[hits] = True
+        stopped |= ended
+        done |= ended
+        if bool(done.all()):
+            break
+        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+        last = last + 1
+        out = model(
+            input_ids=token[:, None],
+            attention_mask=attention_mask,
+            position_ids=last,
+            past_key_values=out.past_key_values,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    return Completions(torch.stack(tokens, 1), torch.stack(masks, 1), stopped)
+
+
+def completion_rows(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, done: Completions
+) -> dict[str, torch.Tensor]:
+    """The training rows of prompts [R, P] (already repeated per completion) and their
+    completions (module docstring): input_ids, attention_mask, position_ids, labels [R, P + T],
+    completion_mask [R, T]."""
+    mask = torch.cat([prompt_mask, done.mask.to(prompt_mask.dtype)], dim=1)
+    return {
+        "input_ids": torch.cat([prompt_ids, done.ids], dim=1),
+        "attention_mask": mask,
+        "position_ids": (mask.cumsum(-1) - 1).clamp_min(0),
+        "labels": torch.cat(
+            [torch.full_like(prompt_ids, IGNORE_INDEX), torch.where(done.mask, done.ids, IGNORE_INDEX)], dim=1
+        ),
+        "completion_mask": done.mask,
+    }
