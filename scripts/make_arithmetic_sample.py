@@ -79,10 +79,12 @@ def division(rng: random.Random) -> tuple[str, int, str]:
 
 
 def two_steps(rng: random.Random) -> tuple[str, int, str]:
-    name, thing, (one, many) = rng.choice(NAMES), rng.choice(THINGS), rng.choice(CONTAINERS)
+    name, thing, (_, many) = rng.choice(NAMES), rng.choice(THINGS), rng.choice(CONTAINERS)
     a, b, c = rng.randint(2, 9), rng.randint(2, 9), rng.randint(1, 20)
     if rng.random() < 0.5:
-        text = f"{name} buys {a} {many} of {b} {thing} and already had {c}. How many {thing} does {name} have?"
+        text = (
+            f"{name} buys {a} {many} of {b} {thing} and already had {c}. How many {thing} does {name} have?"
+        )
         return text, a * b + c, "multiplication, addition"
     c = rng.randint(1, a * b - 1)
     text = f"{name} fills {a} {many} with {b} {thing} each, then gives away {c}. How many {thing} are left?"

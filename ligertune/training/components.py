@@ -134,9 +134,11 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
         if eval_batch > 0:
             eval_loader = MicroBatchLoader(datasets.validation, eval_batch, shuffle=False, **loader_args)
     # An objective that trains several steps on each window (grpo's num_iterations) takes that many.
-    total_steps = training.max_steps or math.ceil(
-        training.epochs * loader.batches_per_epoch / training.gradient_accumulation_steps
-    ) * recipe.objective.updates_per_window()
+    total_steps = (
+        training.max_steps
+        or math.ceil(training.epochs * loader.batches_per_epoch / training.gradient_accumulation_steps)
+        * recipe.objective.updates_per_window()
+    )
     return Data(tokenizer, datasets, loader, eval_loader, total_steps)
 
 
