@@ -8,7 +8,8 @@ before the step):
 1. every prompt is repeated G = ``num_generations`` times and completed by the policy itself
    (`ligertune.objectives.rollout.generate`), with the strategy's weights gathered once for the
    whole window (`Runtime.gathered`: one all-gather under FSDP2, not one per token), in eval
-   mode, sampling from a generator seeded by (seed, generation, rank);
+   mode, sampling from a generator seeded by (seed, generation, the micro-batch's place in the data
+   order): the same completions on a resume and whatever the number of processes;
 2. with several updates per generation batch (``num_iterations`` μ > 1) the policy's log-probs of
    the completions now (the "old" policy of the ratio) and, with β > 0, the reference's (the
    frozen copy, or the adapters-off policy with LoRA), under ``no_grad``;
@@ -108,9 +109,7 @@ class GRPO(Objective):
         """The generation batch of optimizer step `step` and the μ − 1 after it (module docstring)."""
         options, runtime = self.options, self.runtime
         group = options.num_generations
-        generator = torch.Generator(runtime.device)
-        generator.manual_seed(generator_seed(self.seed, step // options.num_iterations, runtime.rank))
-        done = self._generate(window, generator)
+        done = self._generate(window, step // options.num_iterations)
         rows = [self._rows(model, *completed) for completed in done]
         stopped = torch.cat([completed.stopped.cpu() for *_, completed in done])
         prompts = [prompt for batch in window for prompt in batch[PROMPTS]]
@@ -138,18 +137,23 @@ class GRPO(Objective):
             report = _samples(step, prompts[0], texts[:group], values[:group], total[:group], self.rewards)
         return Prepared(rows, metrics, report)
 
-    def _generate(self, window: list[Batch], generator: torch.Generator) -> list[tuple]:
+    def _generate(self, window: list[Batch], generation: int) -> list[tuple]:
         """Every window micro-batch's prompts, each repeated G times, completed in eval mode with the
-        policy's weights gathered once for the whole window."""
-        group, device, policy = self.options.num_generations, self.runtime.device, self.policy
+        policy's weights gathered once for the whole window. Micro-batch i of this rank is slice
+        i · world + rank of the data order (`ligertune.data.loader`): its generator is seeded by
+        that slice, so the completions of a prompt do not depend on the number of processes."""
+        group, runtime, policy = self.options.num_generations, self.runtime, self.policy
+        generator = torch.Generator(runtime.device)
         was_training = policy.training
         policy.eval()
         done = []
         try:
-            with self.runtime.gathered(policy):
-                for batch in window:
-                    ids = batch["input_ids"].repeat_interleave(group, 0).to(device)
-                    mask = batch["attention_mask"].repeat_interleave(group, 0).to(device)
+            with runtime.gathered(policy):
+                for index, batch in enumerate(window):
+                    place = index * runtime.world_size + runtime.rank
+                    generator.manual_seed(generator_seed(self.seed, generation, place))
+                    ids = batch["input_ids"].repeat_interleave(group, 0).to(runtime.device)
+                    mask = batch["attention_mask"].repeat_interleave(group, 0).to(runtime.device)
                     completed = generate(
                         policy, ids, mask, self.sampling, generator,
                         eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,

@@ -38,6 +38,7 @@ class Placement(Protocol):
     generates and the collectives that score a generation batch over every rank."""
 
     rank: int
+    world_size: int
     device: torch.device
 
     def build_model(self, recipe: Recipe) -> nn.Module: ...

@@ -6,8 +6,9 @@ LoRA adapter and the strategy's gathered weights are what samples): one prefill 
 left-padded prompts, then one forward of the newest token per step, reading and extending the
 transformers KV cache; the logits of the last position only (``logits_to_keep=1``). Why not
 ``model.generate``: sampling takes our own `torch.Generator`, seeded from (seed, generation,
-rank), so a resumed run draws exactly the completions an uninterrupted one draws without
-saving any random state, and it skips generate's per-call setup (its stopping criteria, logits
+micro-batch), so a resumed run draws exactly the completions an uninterrupted one draws without
+saving any random state (and the same whatever the number of processes: the seed names the
+micro-batch's place in the data order, not the rank), and it skips generate's per-call setup (its stopping criteria, logits
 processors and cache class choices) that none of this needs. Per token: temperature, then
 nucleus (top-p: the smallest set of tokens holding ``top_p`` of the mass, renormalised), then
 one multinomial draw.
@@ -52,10 +53,11 @@ class Completions:
     stopped: torch.Tensor  # [R] bool: ended by EOS or a stop string (else cut at max_new_tokens)
 
 
-def generator_seed(seed: int, generation: int, rank: int) -> int:
-    """The seed of generation batch `generation` on `rank`: independent streams from the recipe's
-    seed (numpy's SeedSequence mixing), the same on a resume."""
-    return int(np.random.SeedSequence([seed, generation, rank]).generate_state(1, np.uint64)[0] >> 1)
+def generator_seed(seed: int, generation: int, place: int) -> int:
+    """The seed of generation batch `generation`'s micro-batch at `place` in the data order:
+    independent streams from the recipe's seed (numpy's SeedSequence mixing), the same on a
+    resume and whatever the number of processes."""
+    return int(np.random.SeedSequence([seed, generation, place]).generate_state(1, np.uint64)[0] >> 1)
 
 
 def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
