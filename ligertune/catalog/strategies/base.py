@@ -129,6 +129,11 @@ class ParallelOptions(Section):
         """What the strategy allocates for a moment at the end of backward (a reduction buffer)."""
         return {}
 
+    def memory_whole_gathered(self, shape: ModelShape, precision: str) -> int:
+        """What holding the whole model's weights at once (``Runtime.gathered``, while an objective
+        generates) adds to `memory_states`: nothing for a replica."""
+        return 0
+
     def lm_head_gradient_share(self, world_size: int) -> int:
         """The lm_head gradient on each GPU is 1/this of the whole at the start of backward."""
         return 1
