@@ -550,3 +550,29 @@ def test_a_failing_reward_stops_the_run_in_one_line(tmp_path):
 
 def test_fraction_type_of_the_normaliser():
     assert normalise_answer("\\dfrac{6}{8}") == Fraction(3, 4)
+
+
+def test_checkpoints_between_updates_hold_the_generation_batch(tmp_path):
+    """μ = 2, a checkpoint every step: steps 1 and 3 fall between the two updates of a
+    generation batch and hold this rank's rows (exactly those the next step trains on), step 2
+    does not (its resume generates again). A resume that finds them missing says so in one line."""
+    from ligertune.run.manifest import load_file
+    from ligertune.training import train
+    from ligertune.training.windows import Windows, prepared_file
+
+    overrides = ["objective.num_iterations=2", "checkpoint.every_steps=1", "checkpoint.keep_last=3"]
+    result = train(_recipe(*overrides, "training.max_steps=4", f"output_dir={tmp_path}"))
+    root = tmp_path / "checkpoints"
+    assert result.steps == 4
+    held = {p.parent.name for p in root.glob(f"step-*/{prepared_file(0)}")}
+    assert held == {"step-3"} and sorted(p.name for p in root.iterdir()) == ["step-2", "step-3", "step-4"]
+    batches = load_file(root / "step-3" / prepared_file(0))["batches"]
+    assert len(batches) == 1 and batches[0]["input_ids"].shape[0] == 32 and "advantages" in batches[0]
+    windows = Windows(None, None, None, accumulation=1, updates=2, rank=0)
+    windows.restore(root / "step-3", 3)
+    assert torch.equal(windows.current.batches[0]["input_ids"], batches[0]["input_ids"])
+    windows.restore(root / "step-2", 2)  # a window's first step: nothing to restore
+    with pytest.raises(
+        RecipeError, match=r"saved at step 1, between the 2 updates .* has no prepared-rank0.pt"
+    ):
+        windows.restore(root / "step-2", 1)

@@ -110,14 +110,7 @@ class Trainer:
         self.parts = parts = build(recipe, runtime, self.log)
         self.checkpoints = CheckpointManager(recipe.run_dir / "checkpoints", recipe.checkpoint.keep_last)
         self.order = data_order(recipe, runtime.world_size, parts.data.datasets.fingerprint)
-        self.windows = Windows(
-            parts.objective,
-            parts.model,
-            parts.autocast,
-            recipe.training.gradient_accumulation_steps,
-            recipe.objective.updates_per_window(),
-            runtime.rank,
-        )
+        self.windows = Windows.of(parts, recipe, runtime.rank)
         resumed_message = self._resume()
         if runtime.is_main:
             self._start_log(resolved.message, resumed_message)
@@ -232,7 +225,7 @@ class Trainer:
         position_before = state.position
         lr = parts.optimizer.param_groups[0]["lr"]
         try:
-            # The window's micro-batches as the objective trains on them (generated, for grpo).
+            # The micro-batches to train on: the next window, as the objective prepares it.
             prepared = self.windows.take(state, stream)
             if prepared is None:
                 return None
@@ -432,8 +425,7 @@ class Trainer:
         return path
 
     def _write_state(self, directory: Path, step: int) -> None:
-        """This rank's part of a checkpoint: the model and optimizer (the strategy's format) and
-        the micro-batches the next step still trains on (`ligertune.training.windows`)."""
+        """This rank's part of a checkpoint: model, optimizer, the micro-batches still in use."""
         self.runtime.save_state(directory, self.parts.model, self.parts.optimizer)
         self.windows.save(directory, step)
 

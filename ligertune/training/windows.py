@@ -21,6 +21,7 @@ import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +30,10 @@ from ligertune.errors import RecipeError
 from ligertune.objectives import Objective, Prepared
 from ligertune.run.manifest import load_file
 from ligertune.training.state import TrainState
+
+if TYPE_CHECKING:
+    from ligertune.config import Recipe
+    from ligertune.training.components import Components
 
 
 def prepared_file(rank: int) -> str:
@@ -51,6 +56,13 @@ class Windows:
         self.objective, self.model, self.autocast = objective, model, autocast
         self.accumulation, self.updates, self.rank = accumulation, updates, rank
         self.current: Prepared | None = None  # the window in use while it is reused
+
+    @classmethod
+    def of(cls, parts: Components, recipe: Recipe, rank: int) -> Windows:
+        """The windows of a run: its objective, model and precision, the recipe's accumulation."""
+        updates = recipe.objective.updates_per_window()
+        accumulation = recipe.training.gradient_accumulation_steps
+        return cls(parts.objective, parts.model, parts.autocast, accumulation, updates, rank)
 
     def take(self, state: TrainState, stream: Iterator) -> Prepared | None:
         """The micro-batches of the step after `state.step`, moving the data position in `state`
