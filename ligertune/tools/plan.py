@@ -82,7 +82,9 @@ def plan(recipe: Recipe, world_size: int, budget: int, console: Console) -> Plan
     shape = recipe_shape(recipe)
     base = base_setting(recipe, world_size, frozen_shape(recipe))
     own = estimate(shape, base)
-    what = f"completions per prompt, ≤ {base.generated_tokens} generated" if base.generated_tokens else "pairs"
+    what = (
+        f"completions per prompt, ≤ {base.generated_tokens} generated" if base.generated_tokens else "pairs"
+    )
     pairs = f", {base.rows_per_sample} per sample ({what})" if base.rows_per_sample > 1 else ""
     frozen = (
         f", a frozen {base.frozen_role} of {base.frozen.params / 1e9:.2f}B parameters" if base.frozen else ""
