@@ -44,6 +44,10 @@ once the log-probs it depends on are. Two ways through, both here:
   × 2048 in bf16), as the fp32 dW accumulator is (V × H × 4 bytes) unless one chunk suffices.
   This mode stays a ``torch.autograd.Function``, not a ``ligertune::`` custom op like the fused
   cross entropy's, because its ``GroupLoss`` carries a Python callable, which no op schema can take.
+  With ``GroupLoss(per_token=True)`` the loss reads each token's log-prob rather than the rows'
+  sums, and its gradient reaches each token with its own scale (the same second CE launch, one
+  scale per token instead of per row): the clipped policy losses of online RL
+  (`fused_linear_policy_loss`), whose terms weigh every token by its own importance ratio.
 
 ``fused_linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_weight,
 target)`` → the distillation loss summed over label tokens and divided by ``num_items``:

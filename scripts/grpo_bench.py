@@ -195,6 +195,20 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _timed(function, seconds: list[float]):
+    """`function`, appending the wall time of each call (the GPU synchronised) to `seconds`."""
+
+    def timed(*args, **kwargs):
+        _sync()
+        start = time.perf_counter()
+        out = function(*args, **kwargs)
+        _sync()
+        seconds.append(time.perf_counter() - start)
+        return out
+
+    return timed
+
+
 def _reset_peak() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -224,17 +238,7 @@ def arm_ours(args) -> dict:
     try:
         trainer.setup()
         objective = trainer.parts.objective
-        prepare = objective.prepare
-
-        def timed(*a, **k):
-            _sync()
-            start = time.perf_counter()
-            out = prepare(*a, **k)
-            _sync()
-            prepare_seconds.append(time.perf_counter() - start)
-            return out
-
-        objective.prepare = timed
+        objective.prepare = _timed(objective.prepare, prepare_seconds)
         trainer.train()
         finished = True
     finally:
@@ -334,18 +338,10 @@ def arm_trl(args) -> dict:
         model=model, reward_funcs=[format_reward], args=config, train_dataset=dataset,
         processing_class=tokenizer, callbacks=[Timer()],
     )  # fmt: skip
-    generate = trainer._generate_and_score_completions
     generation_seconds = []
-
-    def timed(*a, **k):
-        _sync()
-        start = time.perf_counter()
-        out = generate(*a, **k)
-        _sync()
-        generation_seconds.append(time.perf_counter() - start)
-        return out
-
-    trainer._generate_and_score_completions = timed
+    trainer._generate_and_score_completions = _timed(
+        trainer._generate_and_score_completions, generation_seconds
+    )
     trainer.train()
     lengths = [log.get("completions/mean_length", objective.max_new_tokens) for log in logs[args.warmup :]]
     timed_steps = steps[args.warmup :]

@@ -78,7 +78,9 @@ def _text(value: Any, name: str, where: str) -> str:
     return value
 
 
-def _messages(value: Any, name: str, role: str, where: str) -> list[dict]:
+def chat_messages(value: Any, name: str, role: str, where: str) -> list[dict]:
+    """Column `name` as chat messages: a list of ``{role, content}`` (checked), or text read as one
+    message of `role`."""
     if isinstance(value, str):
         return [{"role": role, "content": _text(value, name, where)}]
     if not isinstance(value, list) or not value:
@@ -108,12 +110,12 @@ def _render_pair(tokenizer, prompt, responses, names, where) -> tuple[str, list[
         raise DataError(
             f"{where}: chat messages need a chat template; set tokenizer.chat_template in the recipe"
         )
-    messages = _messages(prompt, "prompt", "user", where)
+    messages = chat_messages(prompt, "prompt", "user", where)
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     texts = []
     for response, name in zip(responses, names, strict=True):
         full = tokenizer.apply_chat_template(
-            messages + _messages(response, name, "assistant", where), tokenize=False
+            messages + chat_messages(response, name, "assistant", where), tokenize=False
         )
         if not full.startswith(rendered) or len(full) == len(rendered):
             raise DataError(

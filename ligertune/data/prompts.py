@@ -30,6 +30,7 @@ import torch
 
 from ligertune.data.formats import Located, Rows, special_affixes
 from ligertune.data.loader import Batch, MicroBatchLoader
+from ligertune.data.preference import chat_messages
 from ligertune.data.prepared import DataStats
 from ligertune.errors import DataError
 
@@ -51,27 +52,20 @@ class Prompt:
 
 
 def _prompt_text(prompt: Any, tokenizer, where: str) -> tuple[str, bool]:
-    """(the prompt's text, rendered with the chat template?) of one row."""
+    """(the prompt's text, rendered with the chat template?) of one row: text as written, a list
+    of messages with the template and its generation prompt."""
     if isinstance(prompt, str) and prompt:
         return prompt, False
-    if not isinstance(prompt, list) or not prompt:
+    if not isinstance(prompt, list):
         raise DataError(
             f"{where}: prompt must be non-empty text or a list of {{role, content}} messages"[:300]
         )
-    for i, message in enumerate(prompt):
-        if not (
-            isinstance(message, dict)
-            and isinstance(message.get("role"), str)
-            and isinstance(message.get("content"), str)
-        ):
-            raise DataError(
-                f"{where}: message {i} of prompt needs text fields role and content, got {message!r}"[:300]
-            )
+    messages = chat_messages(prompt, "prompt", "user", where)
     if tokenizer.chat_template is None:
         raise DataError(
             f"{where}: chat messages need a chat template; set tokenizer.chat_template in the recipe"
         )
-    return tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True), True
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), True
 
 
 def truncate_prompt(prefix: list[int], ids: list[int], budget: int) -> tuple[list[int], bool]:

@@ -126,11 +126,10 @@ class GRPO(Objective):
         scaling = options.reward_scaling()
         batch_std = _batch_std(runtime, total) if scaling == "batch" else None
         adv, agree = advantages(total, group, scaling, batch_std)
-        start = 0
-        for row in rows:
-            count = row["completion_mask"].shape[0]
-            row["advantages"] = adv[start : start + count].float()
-            start += count
+        for row, part in zip(
+            rows, adv.float().split([len(row["completion_mask"]) for row in rows]), strict=True
+        ):
+            row["advantages"] = part
         metrics = _metrics(runtime, self.rewards, values, total, adv, agree, lengths, stopped)
         report = None
         if runtime.rank == 0 and _shows_samples(options, step):
