@@ -139,15 +139,38 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-@pytest.mark.parametrize("beta", [0.0, 0.04])
-@pytest.mark.parametrize("with_old", [True, False])
-@pytest.mark.parametrize(("rows", "seq", "vocab", "dim", "bias", "softcap", "budget", "empty_row"), CASES)
+# Every shape with old log-probs of a previous update (ratios across both edges); one update
+# (old = the current log-probs, ratio 1) on two of them.
+ONE_UPDATE = ("one-chunk-empty-row", "chunk-per-row-odd-vocab")
+GRID = [
+    pytest.param(loss_type, beta, with_old, *case.values, id=f"{case.id}-{loss_type}-beta{beta}-{label}")
+    for case in CASES
+    for loss_type in LOSS_TYPES
+    for beta in (0.0, 0.04)
+    for with_old, label in ((True, "old"), (False, "one-update"))
+    if with_old or case.id in ONE_UPDATE
+]
+
+
+@pytest.mark.parametrize(
+    (
+        "loss_type",
+        "beta",
+        "with_old",
+        "rows",
+        "seq",
+        "vocab",
+        "dim",
+        "bias",
+        "softcap",
+        "budget",
+        "empty_row",
+    ),
+    GRID,
+)
 def test_matches_float64_oracle(
     loss_type, beta, with_old, rows, seq, vocab, dim, bias, softcap, budget, empty_row
 ):
-    if loss_type == "gspo" and not with_old and beta == 0.0 and rows == 1:
-        pytest.skip("covered by the other one-row cases")  # keeps the grid's size in check
     spec = PolicyLoss(loss_type, epsilon=0.2, epsilon_high=0.28 if loss_type == "dapo" else None, beta=beta)
     hidden, weight, b, target = _inputs(rows, seq, vocab, dim, bias, empty_row)
     logps = _float64_logps(hidden, weight, b, target, rows, softcap)
