@@ -25,7 +25,15 @@ from ligertune.objectives.rewards import (
     normalise_answer,
     score,
 )
-from ligertune.objectives.rollout import Completions, Sampling, completion_rows, generate, sample_next
+from ligertune.objectives.rollout import (
+    Completions,
+    RowNoise,
+    Sampling,
+    completion_rows,
+    generate,
+    sample_next,
+    split_rows,
+)
 from tests.helpers import PLAIN_RUN, ROOT, TINY_MODEL, assert_same_outcomes, tiny_llama, window_outcomes
 
 QUICKSTART_GRPO = ROOT / "recipes" / "quickstart-grpo.yaml"
@@ -284,13 +292,15 @@ def test_top_p_keeps_the_nucleus():
     """p = (0.5, 0.3, 0.15, 0.05), top_p 0.7: the mass before token 2 is 0.8 ≥ 0.7, so only tokens
     0 and 1 are drawn, in the ratio 5 : 3."""
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log().repeat(4000, 1)
-    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
-    drawn = sample_next(logits, Sampling(1, top_p=0.7), generator)
+    drawn = sample_next(logits, Sampling(1, top_p=0.7), torch.rand(4000))
     counts = torch.bincount(drawn, minlength=4).tolist()
     assert counts[2] == counts[3] == 0
     assert counts[0] / 4000 == pytest.approx(0.625, abs=0.04)
-    everything = torch.bincount(sample_next(logits, Sampling(1), generator), minlength=4)
-    assert (everything > 0).all()
+    everything = torch.bincount(sample_next(logits, Sampling(1), torch.rand(4000)), minlength=4).tolist()
+    assert everything[3] / 4000 == pytest.approx(0.05, abs=0.02) and min(everything) > 0
+    # The inverse of the cumulative distribution: a draw in (0.5, 0.8) is token 1, (0.95, 1) token 3.
+    edges = torch.tensor([0.0, 0.4999, 0.5001, 0.7999, 0.8001, 0.9501, 0.9999])
+    assert sample_next(logits[:7], Sampling(1), edges).tolist() == [0, 0, 1, 1, 2, 3, 3]
 
 
 def _left_padded(vocab, lengths):
@@ -312,9 +322,9 @@ def test_generation_with_the_kv_cache_equals_full_forwards():
     sampling = Sampling(6, temperature=0.7)
     seed = torch.seed() % 2**31
     done = generate(
-        model, ids, mask, sampling, torch.Generator().manual_seed(seed), eos_token_id=None, pad_token_id=0
+        model, ids, mask, sampling, RowNoise([seed], [3], "cpu"), eos_token_id=None, pad_token_id=0
     )
-    generator = torch.Generator().manual_seed(seed)
+    noise = RowNoise([seed], [3], "cpu")
     tokens = ids
     for step in range(6):
         full_mask = torch.cat([mask, torch.ones(3, step, dtype=torch.int64)], dim=1)
@@ -323,7 +333,7 @@ def test_generation_with_the_kv_cache_equals_full_forwards():
             logits = model(
                 input_ids=tokens, attention_mask=full_mask, position_ids=positions, use_cache=False
             ).logits
-        token = sample_next(logits[:, -1], sampling, generator)
+        token = sample_next(logits[:, -1], sampling, noise())
         assert torch.equal(token, done.ids[:, step]), step
         tokens = torch.cat([tokens, token[:, None]], dim=1)
     assert done.mask.all() and not done.stopped.any()
@@ -345,7 +355,7 @@ def test_eos_and_stop_strings_end_a_completion():
 
     def run(eos, stop=()):
         return generate(
-            model, ids, mask, Sampling(10, stop=stop), torch.Generator().manual_seed(seed),
+            model, ids, mask, Sampling(10, stop=stop), RowNoise([seed], [4], "cpu"),
             eos_token_id=eos, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
         )  # fmt: skip
 
@@ -368,6 +378,39 @@ def test_eos_and_stop_strings_end_a_completion():
             assert "e" not in tokenizer.decode(stopped.ids[row, : length - 1].tolist())
         else:
             assert length == 10 and "e" not in text
+
+
+def test_a_window_generated_as_one_batch_equals_its_micro_batches_alone():
+    """Two micro-batches of prompts of other lengths, generated together (padded to the longest,
+    each row drawing from its micro-batch's generator) and cut back (`split_rows`), give each
+    micro-batch what generating it alone gives: its own prompt columns, its completions, its
+    trimmed length (float64: the padding moves the logits' last bits only)."""
+    torch.manual_seed(torch.seed() % 2**31)
+    model = tiny_llama(vocab_size=97, hidden_size=32, intermediate_size=64).double().eval()
+    first, second = _left_padded(97, [3, 5]), _left_padded(97, [8, 2, 4])
+    seeds, sampling = [torch.seed() % 2**31, torch.seed() % 2**31], Sampling(7, temperature=1.3)
+    width = 8
+    ids = torch.cat([torch.nn.functional.pad(x, (width - x.shape[1], 0)) for x in (first[0], second[0])])
+    mask = torch.cat([torch.nn.functional.pad(m, (width - m.shape[1], 0)) for m in (first[1], second[1])])
+    eos = 5  # a token the random model draws now and then: completions of several lengths
+    together = generate(
+        model, ids, mask, sampling, RowNoise(seeds, [2, 3], "cpu"), eos_token_id=eos, pad_token_id=0
+    )
+    for (part_ids, part_mask, done), (alone_ids, alone_mask), seed in zip(
+        split_rows(ids, mask, together, [2, 3]), (first, second), seeds, strict=True
+    ):
+        alone = generate(
+            model,
+            alone_ids,
+            alone_mask,
+            sampling,
+            RowNoise([seed], [len(alone_ids)], "cpu"),
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+        assert torch.equal(part_ids, alone_ids) and torch.equal(part_mask, alone_mask)
+        assert torch.equal(done.mask, alone.mask) and torch.equal(done.stopped, alone.stopped)
+        assert torch.equal(torch.where(done.mask, done.ids, -1), torch.where(alone.mask, alone.ids, -1))
 
 
 def test_completion_rows_layout():

@@ -290,9 +290,9 @@ def test_pairs_count_two_rows_per_sample_by_hand():
 def test_grpo_generation_and_policy_head_by_hand():
     """grpo: B prompts × G completions are the micro-batch's rows (every one S tokens long), its
     loss head reaches the L generated positions only, and the generation before the step holds
-    the states without gradients, the KV cache of the B·G rows at full length (k and v of every
-    layer at the key/value heads), one layer's prefill forward and the sampling's logits; under
-    FSDP2 every layer gathered (the states count the root and two layers already)."""
+    the states without gradients, the KV cache of the window's rows at full length (k and v of
+    every layer at the key/value heads), one layer's prefill forward and the sampling's logits;
+    under FSDP2 every layer gathered (the states count the root and two layers already)."""
     shape = model_shape(tiny(4))
     layer, total = shape.layer_params, shape.params
     g, length = 4, 8
@@ -304,7 +304,9 @@ def test_grpo_generation_and_policy_head_by_hand():
     b = estimate(shape, s)
     kv = 2 * 4 * KV * D * rows * S * 2
     prefill = tokens * (3 * I * 2 + 4 * H * 2)
-    sampling = rows * V * (2 + 4 + 4 + 12 + 4)  # bf16 logits, fp32 /T, softmax, sort (+ int64), scatter
+    sampling = (
+        rows * V * (2 + 4 + 4 + 12 + 4 + 4)
+    )  # bf16 logits; fp32 /T, softmax, sort (+ int64), scatter, cdf
     assert b.temporaries["generation: KV cache (8 rows × 32 tokens)"] == kv
     assert b.temporaries["generation: one layer's prefill forward (no grad)"] == prefill
     assert b.temporaries["generation: last position's logits and sampling"] == sampling
@@ -317,6 +319,10 @@ def test_grpo_generation_and_policy_head_by_hand():
     assert estimate(shape, eager).temporaries["loss head at its peak"] == rows * length * V * 8
     fsdp = estimate(shape, replace(s, parallel=FSDPParallel(), world_size=4))
     assert fsdp.temporaries["generation: FSDP2 whole model gathered"] == (4 - 2) * layer * 2
+    # Two micro-batches per step: the window is generated as one batch of twice the rows.
+    window = estimate(shape, replace(s, accumulation=2))
+    assert window.temporaries["generation: KV cache (16 rows × 32 tokens)"] == 2 * kv
+    assert window.temporaries["generation: last position's logits and sampling"] == 2 * sampling
     # From the recipe: the objective's facts reach the setting.
     recipe = _recipe("grpo", "training.micro_batch_size=2")
     setting = setting_of(recipe, 1)

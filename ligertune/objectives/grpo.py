@@ -6,8 +6,8 @@ Each window of prompt micro-batches becomes a generation batch (`GRPO.prepare`, 
 before the step):
 
 1. every prompt is repeated G = ``num_generations`` times and completed by the policy itself
-   (`ligertune.objectives.rollout.generate`), with the strategy's weights gathered once for the
-   whole window (`Runtime.gathered`: one all-gather under FSDP2, not one per token), in eval
+   (`ligertune.objectives.rollout.generate`), the whole window as one batch, with the strategy's
+   weights gathered once (`Runtime.gathered`: one all-gather under FSDP2, not one per token), in eval
    mode, sampling from a generator seeded by (seed, generation, the micro-batch's place in the data
    order): the same completions on a resume and whatever the number of processes;
 2. with several updates per generation batch (``num_iterations`` μ > 1) the policy's log-probs of
@@ -48,7 +48,15 @@ from ligertune.objectives.base import Batch, Building, Objective, ObjectiveOutpu
 from ligertune.objectives.logps import completion_forward, completion_logps, lm_head_is_fused
 from ligertune.objectives.reference import Placement, Reference, build_reference
 from ligertune.objectives.rewards import RewardError, advantages, load_rewards, score
-from ligertune.objectives.rollout import Completions, Sampling, completion_rows, generate, generator_seed
+from ligertune.objectives.rollout import (
+    Completions,
+    RowNoise,
+    Sampling,
+    completion_rows,
+    generate,
+    generator_seed,
+    split_rows,
+)
 
 
 class GRPO(Objective):
@@ -137,31 +145,40 @@ class GRPO(Objective):
         return Prepared(rows, metrics, report)
 
     def _generate(self, window: list[Batch], generation: int) -> list[tuple]:
-        """Every window micro-batch's prompts, each repeated G times, completed in eval mode with the
-        policy's weights gathered once for the whole window. Micro-batch i of this rank is slice
-        i · world + rank of the data order (`ligertune.data.loader`): its generator is seeded by
-        that slice, so the completions of a prompt do not depend on the number of processes."""
-        group, runtime, policy = self.options.num_generations, self.runtime, self.policy
-        generator = torch.Generator(runtime.device)
+        """The window's prompts, each repeated G times, completed as one batch in eval mode with
+        the policy's weights gathered once, then cut back into its micro-batches (`split_rows`).
+        Micro-batch i of this rank is slice i · world + rank of the data order
+        (`ligertune.data.loader`): its rows draw from a generator seeded by that slice (`RowNoise`)."""
+        group, runtime, policy, tokenizer = (
+            self.options.num_generations,
+            self.runtime,
+            self.policy,
+            self.tokenizer,
+        )
+        width = max(batch["input_ids"].shape[1] for batch in window)
+
+        def left_padded(batch, key, value):  # to the window's longest prompt
+            x = batch[key].repeat_interleave(group, 0)
+            return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value).to(runtime.device)
+
+        ids = torch.cat([left_padded(batch, "input_ids", tokenizer.pad_token_id) for batch in window])
+        mask = torch.cat([left_padded(batch, "attention_mask", 0) for batch in window])
+        rows = [batch["input_ids"].shape[0] * group for batch in window]
+        places = [index * runtime.world_size + runtime.rank for index in range(len(window))]
+        noise = RowNoise(
+            [generator_seed(self.seed, generation, place) for place in places], rows, runtime.device
+        )
         was_training = policy.training
         policy.eval()
-        done = []
         try:
             with runtime.gathered(policy):
-                for index, batch in enumerate(window):
-                    place = index * runtime.world_size + runtime.rank
-                    generator.manual_seed(generator_seed(self.seed, generation, place))
-                    ids = batch["input_ids"].repeat_interleave(group, 0).to(runtime.device)
-                    mask = batch["attention_mask"].repeat_interleave(group, 0).to(runtime.device)
-                    completed = generate(
-                        policy, ids, mask, self.sampling, generator,
-                        eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-                        tokenizer=self.tokenizer,
-                    )  # fmt: skip
-                    done.append((ids, mask, completed))
+                done = generate(
+                    policy, ids, mask, self.sampling, noise,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
+                )  # fmt: skip
         finally:
             policy.train(was_training)
-        return done
+        return split_rows(ids, mask, done, rows)
 
     @torch.no_grad()
     def _rows(self, model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, done: Completions) -> Batch:

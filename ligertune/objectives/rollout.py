@@ -4,14 +4,19 @@ rows the policy loss trains on.
 `generate` is a plain batched sampler over the model's own forward (so every patched kernel, a
 LoRA adapter and the strategy's gathered weights are what samples): one prefill over the
 left-padded prompts, then one forward of the newest token per step, reading and extending the
-transformers KV cache; the logits of the last position only (``logits_to_keep=1``). Why not
-``model.generate``: sampling takes our own `torch.Generator`, seeded from (seed, generation,
-micro-batch), so a resumed run draws exactly the completions an uninterrupted one draws without
-saving any random state (and the same whatever the number of processes: the seed names the
-micro-batch's place in the data order, not the rank), and it skips generate's per-call setup (its stopping criteria, logits
-processors and cache class choices) that none of this needs. Per token: temperature, then
-nucleus (top-p: the smallest set of tokens holding ``top_p`` of the mass, renormalised), then
-one multinomial draw.
+transformers KV cache; the logits of the last position only (``logits_to_keep=1``). Per token:
+temperature, then nucleus (top-p: the smallest set of tokens holding ``top_p`` of the mass,
+renormalised), then one draw by the inverse of the cumulative distribution at a uniform number.
+
+A window's micro-batches are generated as one batch (the decode is bound by the weights' reads and
+the kernel launches, not by the rows), and each row's uniform numbers come from the generator of
+its micro-batch (`RowNoise`), seeded by (seed, generation, the micro-batch's place in the data
+order). Why not ``model.generate``: its draws come from the global random state, for the whole
+batch at once. Here a resumed run draws exactly the completions an uninterrupted one draws
+without saving any random state, and a prompt's completions do not depend on what is generated
+beside it nor on the number of processes (up to the last bits of the logits, which the batch's
+padding can move); and generate's per-call setup (stopping criteria, logits processors, cache
+class choices) is none of this needs.
 
 A completion ends with the tokenizer's EOS or with the token that completes one of the stop
 strings (both kept in the completion, and trained on: stopping is an action); later tokens are
@@ -25,10 +30,13 @@ followed by its completion, ``[prompt (left-padded to P) | completion (right-pad
 the attention mask of both, position ids counting real tokens (as in generation, so RoPE sees the
 same positions), labels on the completion tokens only, and ``completion_mask`` [R, T], from which
 the loss finds the completion positions (`ligertune.objectives.logps.completion_positions`).
+`split_rows` cuts a window's generation back into its micro-batches, each trimmed to its own
+longest prompt and completion.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,8 +68,27 @@ def generator_seed(seed: int, generation: int, place: int) -> int:
     return int(np.random.SeedSequence([seed, generation, place]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
-    """One token per row [B] from the last position's logits [B, V] (module docstring)."""
+class RowNoise:
+    """The uniform draws of a generation batch made of several micro-batches: one generator per
+    micro-batch, seeded by its place in the data order (`generator_seed`), drawing one number per
+    row of it per token. A row's draws then depend on its micro-batch alone, not on what else is
+    generated with it, nor on how many processes share the window."""
+
+    def __init__(self, seeds: list[int], rows: list[int], device: torch.device):
+        self.generators = [torch.Generator(device).manual_seed(seed) for seed in seeds]
+        self.rows, self.device = rows, device
+
+    def __call__(self) -> torch.Tensor:
+        draws = [
+            torch.rand(n, generator=g, device=self.device)
+            for g, n in zip(self.generators, self.rows, strict=True)
+        ]
+        return torch.cat(draws)
+
+
+def sample_next(logits: torch.Tensor, sampling: Sampling, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row [B] from the last position's logits [B, V] and one uniform draw per row
+    [B] (module docstring): the token where the cumulative distribution passes the draw."""
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -69,7 +96,9 @@ def sample_next(logits: torch.Tensor, sampling: Sampling, generator: torch.Gener
         outside = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    cdf = probs.cumsum(-1)
+    token = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]
+    return token.clamp_max(probs.shape[-1] - 1)
 
 
 def _stop_hits(tokenizer, ids: torch.Tensor, rows: list[int], stop: tuple[str, ...]) -> list[int]:
@@ -88,14 +117,14 @@ def generate(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     sampling: Sampling,
-    generator: torch.Generator,
+    noise: Callable[[], torch.Tensor],
     *,
     eos_token_id: int | None,
     pad_token_id: int,
     tokenizer=None,
 ) -> Completions:
-    """Sample completions of the left-padded prompts [R, P] (module docstring). `tokenizer`
-    decodes for the stop strings."""
+    """Sample completions of the left-padded prompts [R, P] (module docstring); `noise()` gives each
+    token's uniform draws [R] (`RowNoise`), `tokenizer` decodes for the stop strings."""
     rows = input_ids.shape[0]
     device = input_ids.device
     positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
@@ -111,7 +140,7 @@ def generate(
     )
     last = positions[:, -1:]
     for _ in range(sampling.max_new_tokens):
-        token = sample_next(out.logits[:, -1], sampling, generator)
+        token = sample_next(out.logits[:, -1], sampling, noise())
         token = torch.where(done, pad_token_id, token)
         masks.append(~done)
         tokens.append(token)
@@ -135,6 +164,21 @@ def generate(
             logits_to_keep=1,
         )
     return Completions(torch.stack(tokens, 1), torch.stack(masks, 1), stopped)
+
+
+def split_rows(ids: torch.Tensor, mask: torch.Tensor, done: Completions, rows: list[int]) -> list[tuple]:
+    """A generation batch's prompts [R, P], their mask and completions, cut into the micro-batches
+    of `rows` rows each, every one trimmed to its own longest prompt and completion (the columns
+    its rows all leave empty dropped): what generating each micro-batch alone would give."""
+    parts = []
+    for part_ids, part_mask, ids_done, mask_done, stopped in zip(
+        *(x.split(rows) for x in (ids, mask, done.ids, done.mask, done.stopped)), strict=True
+    ):
+        first = int(part_mask.any(0).int().argmax())  # the first column a prompt of the part reaches
+        length = int(mask_done.any(0).sum())  # every mask is a prefix, the first token always in
+        completed = Completions(ids_done[:, :length], mask_done[:, :length], stopped)
+        parts.append((part_ids[:, first:], part_mask[:, first:], completed))
+    return parts
 
 
 def completion_rows(

@@ -61,6 +61,7 @@ def base_setting(recipe: Recipe, world_size: int, frozen: ModelShape | None = No
         frozen=frozen,
         frozen_role=held.role if (held := recipe.objective.frozen_model(recipe)) else "reference",
         generated_tokens=recipe.objective.generated_tokens(),
+        accumulation=recipe.training.gradient_accumulation_steps,
     )
 
 

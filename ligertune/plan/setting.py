@@ -48,6 +48,9 @@ class Setting:
     # or a generation phase with a KV cache before the step (grpo), and a ``policy`` loss head
     # that reaches only those positions.
     generated_tokens: int = 0
+    # Micro-batches per optimizer step (gradient accumulation): an objective that generates does
+    # it for the whole window at once.
+    accumulation: int = 1
 
     @property
     def tokens(self) -> int:
