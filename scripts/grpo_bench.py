@@ -226,7 +226,7 @@ def arm_ours(args) -> dict:
         f"training.micro_batch_size={args.micro}",
         f"training.gradient_accumulation_steps={args.accumulation}",
     ]
-    recipe = load_recipe(RECIPE, [*overrides, *args.overrides])
+    recipe = load_recipe(RECIPE, [*args.overrides, *overrides])  # the arm's own settings last
     records, prepare_seconds = [], []
 
     def on_step_end(record):
@@ -393,8 +393,15 @@ def bench_e2e(args) -> dict:
     from ligertune.config import load_recipe
 
     recipe = load_recipe(RECIPE, list(args.overrides))
+    group = recipe.objective.num_generations
+    per_step = recipe.training.micro_batch_size * recipe.training.gradient_accumulation_steps * group
     results = [run_arm("ours", args, recipe.training.micro_batch_size, [])]
     results += _best_trl(args, [])
+    trl_micro = results[-1].get("micro_completions")
+    if trl_micro and trl_micro < recipe.training.micro_batch_size * group:
+        # Ours at TRL's micro-batch too: the memory of the same rows per forward.
+        accumulation = ["--accumulation", str(per_step // trl_micro)]
+        results.append(run_arm("ours", args, trl_micro // group, accumulation))
     try:
         import liger_kernel  # noqa: F401  (TRL's use_liger_kernel: its fused GRPO loss)
 
