@@ -608,3 +608,26 @@ def test_checkpoints_between_updates_hold_the_generation_batch(tmp_path):
         RecipeError, match=r"saved at step 1, between the 2 updates .* has no prepared-rank0.pt"
     ):
         windows.restore(root / "step-2", 1)
+
+
+def test_the_bundled_arithmetic_answers_are_right():
+    """Every bundled problem's answer, recomputed from the numbers in its text in the order the
+    question states them, by the operation(s) its metadata names (one or two steps)."""
+    import operator
+    import re
+
+    from ligertune.paths import ASSETS_DIR
+
+    ops = {"addition": operator.add, "subtraction": operator.sub, "multiplication": operator.mul}
+    ops["division"] = operator.floordiv
+    rows = [json.loads(line) for line in (ASSETS_DIR / "arithmetic_sample.jsonl").read_text().splitlines()]
+    assert len(rows) == 400 and len({r["prompt"] for r in rows}) == 400
+    for row in rows:
+        numbers = [int(n) for n in re.findall(r"\d+", row["prompt"])]
+        steps = row["metadata"]["operation"].split(", ")
+        assert len(numbers) == len(steps) + 1 == row["metadata"]["steps"] + 1, row
+        value = numbers[0]
+        for op, number in zip(steps, numbers[1:], strict=True):
+            value = ops[op](value, number)
+        assert row["answer"] == str(value) and value > 0, row
+        assert row["prompt"].startswith("Question: ") and row["prompt"].endswith("\nAnswer:")
