@@ -44,6 +44,10 @@ once the log-probs it depends on are. Two ways through, both here:
   × 2048 in bf16), as the fp32 dW accumulator is (V × H × 4 bytes) unless one chunk suffices.
   This mode stays a ``torch.autograd.Function``, not a ``ligertune::`` custom op like the fused
   cross entropy's, because its ``GroupLoss`` carries a Python callable, which no op schema can take.
+  With ``GroupLoss(per_token=True)`` the loss reads each token's log-prob rather than the rows'
+  sums, and its gradient reaches each token with its own scale (the same second CE launch, one
+  scale per token instead of per row): the clipped policy losses of online RL
+  (`fused_linear_policy_loss`), whose terms weigh every token by its own importance ratio.
 
 ``fused_linear_distillation(student_hidden, student_weight, teacher_hidden, teacher_weight,
 target)`` → the distillation loss summed over label tokens and divided by ``num_items``:
@@ -120,11 +124,17 @@ class GroupLoss(NamedTuple):
     tensors with one leading entry per group of the chunk (metrics), returned detached and
     concatenated over the chunks. The total loss is the sum of the chunks' losses, so a group's
     term must read only its own rows (the chunking is the kernel's choice).
+
+    ``per_token=True``: ``fn`` gets the rows' per-token log-probs [size, g, seq] instead of
+    their sums (0 on ignored targets), for a loss that weighs each token by its own log-prob
+    (the clipped policy-gradient losses, `ligertune.kernels.fused_linear_policy_loss`); its
+    gradient then reaches each token's logits with that token's own scale.
     """
 
     fn: Callable[[torch.Tensor, slice], torch.Tensor | tuple[torch.Tensor, dict[str, torch.Tensor]]]
     rows: int
     size: int = 2
+    per_token: bool = False
 
 
 class GroupedLogprobs(NamedTuple):
@@ -200,9 +210,9 @@ def fused_linear_logprobs_reference(
     if group_loss is None:
         return logp
     rows = logp.view(group_loss.rows, -1).sum(-1)
-    loss, extras = _loss_and_extras(
-        group_loss.fn(rows.view(group_loss.size, -1), slice(0, _groups(group_loss)))
-    )
+    size, groups = group_loss.size, _groups(group_loss)
+    seen = logp.view(size, groups, -1) if group_loss.per_token else rows.view(size, groups)
+    loss, extras = _loss_and_extras(group_loss.fn(seen, slice(0, groups)))
     return GroupedLogprobs(loss, rows.detach(), _row_tokens(target, group_loss, ignore_index), extras)
 
 
@@ -310,15 +320,23 @@ def _grouped_sweep(hidden, weight, bias, target, group_loss: GroupLoss, opts: CE
             torch.addmm(bias, h, weight.t(), out=logits)
         ce = dict(loss_rows=loss_rows[:rows], z_rows=z_rows[:rows], correct_rows=None)
         launch_cross_entropy(logits, y, None, opts, grad=None, grad_scale=None, **ce)
-        chunk_logps = -loss_rows[:rows].view(size, g, seq).sum(-1)
+        token_logps = -loss_rows[:rows].view(size, g, seq)
+        chunk_logps = token_logps.sum(-1)
         row_logps[:, groups] = chunk_logps
-        loss, kept, grad_logps = _evaluate(group_loss.fn, chunk_logps, groups, compute_grad)
+        seen = token_logps if group_loss.per_token else chunk_logps
+        loss, kept, grad_logps = _evaluate(group_loss.fn, seen, groups, compute_grad)
         total = loss if total is None else total + loss
         extras.append(kept)
         if not compute_grad:
             continue
-        # The kernel writes scale · ∂CE/∂z and log p = −CE: scale = −∂L/∂ℓ_r on every token of row r.
-        scale = (-grad_logps).to(torch.float32)[..., None].expand(size, g, seq).reshape(rows)
+        # The kernel writes scale · ∂CE/∂z and log p = −CE: scale = −∂L/∂ℓ_r on every token of
+        # row r (−∂L/∂log p_t per token with per_token).
+        scale = (-grad_logps).to(torch.float32)
+        scale = (
+            scale.reshape(rows)
+            if group_loss.per_token
+            else scale[..., None].expand(size, g, seq).reshape(rows)
+        )
         launch_cross_entropy(logits, y, None, opts, grad=logits, grad_scale=scale, **ce)
         if want_dh:
             dh.view(size, n_groups, seq, n_hidden)[:, groups] = (logits @ weight).view(size, g, seq, n_hidden)

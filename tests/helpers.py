@@ -74,3 +74,28 @@ def tiny_llama(**config):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     return LlamaForCausalLM(LlamaConfig(**(_TINY_LLAMA | config)))
+
+
+def window_outcomes(trainer, windows: list[list]) -> list[tuple]:
+    """`forward_backward` of each window (a list of micro-batches) on a set-up trainer's model,
+    each from zero gradients: its `StepOutcome` and the parameters' gradients."""
+    from ligertune.training.step import forward_backward
+
+    parts, outcomes = trainer.parts, []
+    for window in windows:
+        out = forward_backward(parts.model, parts.objective, window, trainer.runtime, parts.autocast)
+        outcomes.append((out, [p.grad.clone() for p in parts.model.parameters()]))
+        parts.optimizer.zero_grad(set_to_none=True)
+    return outcomes
+
+
+def assert_same_outcomes(first: tuple, second: tuple) -> None:
+    """Two `window_outcomes` entries train alike: loss, metrics and gradients, to fp32 rounding."""
+    import torch
+
+    (one, g1), (other, g2) = first, second
+    torch.testing.assert_close(one.loss, other.loss, rtol=1e-6, atol=1e-7)
+    for k in one.metrics:
+        torch.testing.assert_close(one.metrics[k], other.metrics[k], rtol=1e-5, atol=1e-6)
+    for a, b in zip(g1, g2, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)

@@ -490,7 +490,7 @@ CASES = [
     Case(
         "bad_data_format",
         "data.format: got 'openai'; allowed: 'alpaca', 'chat', 'messages', 'sharegpt', 'prompt_completion', "
-        "'pretokenized', 'preference' or 'kto'",
+        "'pretokenized', 'preference', 'kto' or 'prompt'",
         "model:\n  config: tiny-llama\ndata:\n  path: ligertune://alpaca_sample.jsonl\n  format: openai\n",
     ),
     Case(

@@ -612,7 +612,9 @@ def test_bundled_samples_are_well_formed():
     assert chats and all(c["messages"][-1]["role"] == "assistant" for c in chats)
 
 
-@pytest.mark.parametrize("script", ["make_alpaca_sample.py", "train_tokenizer.py"])
+@pytest.mark.parametrize(
+    "script", ["make_alpaca_sample.py", "make_arithmetic_sample.py", "train_tokenizer.py"]
+)
 def test_bundled_assets_match_their_scripts(script):
     result = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / script), "--check"], capture_output=True, text=True

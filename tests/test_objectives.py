@@ -22,7 +22,7 @@ from ligertune.objectives.logps import sequence_logps
 from ligertune.objectives.orpo import orpo_losses
 from ligertune.objectives.simpo import simpo_losses
 from ligertune.training import train
-from tests.helpers import PLAIN_RUN, ROOT, TINY_MODEL
+from tests.helpers import PLAIN_RUN, ROOT, TINY_MODEL, assert_same_outcomes, window_outcomes
 
 G = torch.Generator().manual_seed(0)
 PC, PR, RC, RR = (-torch.rand(6, generator=G, dtype=torch.float64) * 20 for _ in range(4))
@@ -179,8 +179,6 @@ def test_one_pass_equals_the_two_step_path(name, extra, tmp_path, monkeypatch):
 
 def test_accumulation_invariance_dpo(tmp_path):
     """One micro-batch of 4 pairs = four micro-batches of 1 pair, with the loop's N."""
-    from ligertune.training.step import forward_backward
-
     trainer = _setup(_recipe("dpo", f"output_dir={tmp_path}"))
     try:
         batch = next(trainer.parts.data.loader.iter_epoch(0))
@@ -190,21 +188,10 @@ def test_accumulation_invariance_dpo(tmp_path):
             rows = [i, b + i]
             single = {k: v[rows] if v.shape[0] == 2 * b else v[[i]] for k, v in batch.items()}
             singles.append(single)
-        outcomes = []
-        for window in ([batch], singles):
-            out = forward_backward(
-                trainer.parts.model, trainer.parts.objective, window, trainer.runtime, trainer.parts.autocast
-            )
-            outcomes.append((out, [p.grad.clone() for p in trainer.parts.model.parameters()]))
-            trainer.parts.optimizer.zero_grad(set_to_none=True)
+        one, four = window_outcomes(trainer, [[batch], singles])
     finally:
         trainer.cleanup()
-    (one, g1), (four, g4) = outcomes
-    torch.testing.assert_close(one.loss, four.loss, rtol=1e-6, atol=1e-7)
-    for k in one.metrics:
-        torch.testing.assert_close(one.metrics[k], four.metrics[k], rtol=1e-5, atol=1e-6)
-    for a, c in zip(g1, g4, strict=True):
-        torch.testing.assert_close(a, c, rtol=1e-4, atol=1e-7)
+    assert_same_outcomes(one, four)
 
 
 def test_frozen_reference_starts_as_the_policy(tmp_path):

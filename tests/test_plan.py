@@ -287,6 +287,49 @@ def test_pairs_count_two_rows_per_sample_by_hand():
         assert layer_activation_bytes(shape, s) == 2 * T * per_token
 
 
+def test_grpo_generation_and_policy_head_by_hand():
+    """grpo: B prompts × G completions are the micro-batch's rows (every one S tokens long), its
+    loss head reaches the L generated positions only, and the generation before the step holds
+    the states without gradients, the KV cache of the window's rows at full length (k and v of
+    every layer at the key/value heads), one layer's prefill forward and the sampling's logits;
+    under FSDP2 every layer gathered (the states count the root and two layers already)."""
+    shape = model_shape(tiny(4))
+    layer, total = shape.layer_params, shape.params
+    g, length = 4, 8
+    s = Setting(
+        B, S, precision="bf16", kernels=OURS, rows_per_sample=g, loss_head="policy", generated_tokens=length
+    )
+    rows, tokens = B * g, B * g * S
+    assert (s.rows, s.tokens, s.head_tokens) == (rows, tokens, rows * length)
+    b = estimate(shape, s)
+    kv = 2 * 4 * KV * D * rows * S * 2
+    prefill = tokens * (3 * I * 2 + 4 * H * 2)
+    sampling = (
+        rows * V * (2 + 4 + 4 + 12 + 4 + 4)
+    )  # bf16 logits; fp32 /T, softmax, sort (+ int64), scatter, cdf
+    assert b.temporaries["generation: KV cache (8 rows × 32 tokens)"] == kv
+    assert b.temporaries["generation: one layer's prefill forward (no grad)"] == prefill
+    assert b.temporaries["generation: last position's logits and sampling"] == sampling
+    states = 2 * total + 4 * total  # bf16 weights and AdamW moments; no gradients before the step
+    assert b.moments["generation (before the step)"] == states + kv + prefill + sampling
+    # The fused policy head: all 8 completions of 8 tokens in one chunk (8 · 8 · V bf16 logits),
+    # the completion positions' hidden states copied, and dh over those positions only.
+    assert b.temporaries["loss head at its peak"] == rows * length * V * 2 + rows * length * H * 2
+    eager = replace(s, kernels=frozenset())
+    assert estimate(shape, eager).temporaries["loss head at its peak"] == rows * length * V * 8
+    fsdp = estimate(shape, replace(s, parallel=FSDPParallel(), world_size=4))
+    assert fsdp.temporaries["generation: FSDP2 whole model gathered"] == (4 - 2) * layer * 2
+    # Two micro-batches per step: the window is generated as one batch of twice the rows.
+    window = estimate(shape, replace(s, accumulation=2))
+    assert window.temporaries["generation: KV cache (16 rows × 32 tokens)"] == 2 * kv
+    assert window.temporaries["generation: last position's logits and sampling"] == 2 * sampling
+    # From the recipe: the objective's facts reach the setting.
+    recipe = _recipe("grpo", "training.micro_batch_size=2")
+    setting = setting_of(recipe, 1)
+    assert (setting.rows_per_sample, setting.generated_tokens, setting.loss_head) == (8, 8, "policy")
+    assert setting.rows == 16 and setting.tokens == 16 * recipe.data.max_seq_len
+
+
 def _recipe(name: str, *overrides: str):
     return load_recipe(ROOT / "recipes" / f"quickstart-{name}.yaml", list(overrides))
 

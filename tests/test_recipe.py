@@ -213,8 +213,8 @@ def test_an_option_of_another_objective_or_strategy_names_the_ones_it_belongs_to
     with pytest.raises(RecipeError) as e:
         load_recipe(QUICKSTART, ["objective.beta=0.3"])
     assert e.value.problems == [
-        "objective.beta: objective.name sft has no option beta (an option of dpo, orpo, simpo and kto); "
-        "remove it, or set objective.name to one of dpo, orpo, simpo, kto"
+        "objective.beta: objective.name sft has no option beta (an option of dpo, orpo, simpo, kto and grpo); "
+        "remove it, or set objective.name to one of dpo, orpo, simpo, kto, grpo"
     ]
     with pytest.raises(RecipeError) as e:
         load_recipe(QUICKSTART, ["parallel.strategy=ddp", "parallel.fsdp.cpu_offload=true"])

@@ -209,7 +209,7 @@ def _supporting(feature: str) -> str:
 
 @rule("parallel.supports")
 def _strategy_supports(recipe: Recipe) -> list[str]:
-    """The parallel strategy trains what the recipe asks: LoRA adapters, quantised weights, FP8 layers, bf16 weights."""
+    """The parallel strategy trains what the recipe asks: LoRA adapters, quantised weights, FP8 layers, bf16 weights, an objective that generates."""
     parallel, strategy = recipe.parallel, recipe.parallel.strategy
     asked = [
         ("lora", recipe.lora is not None, "lora", "remove the lora section"),
@@ -220,6 +220,12 @@ def _strategy_supports(recipe: Recipe) -> list[str]:
             recipe.training.precision == "bf16",
             "training.precision",
             "set training.precision=bf16-mixed",
+        ),
+        (
+            "generation",
+            recipe.objective.generated_tokens() > 0,
+            f"objective.name {recipe.objective.name}",
+            "an objective trained on fixed data",
         ),
     ]
     return [

@@ -19,6 +19,8 @@ shifts them: the logits at position t are scored against labels[t + 1]):
 * ``pretokenized``: ``input_ids`` and optionally ``labels`` (default: every token), used as is.
 * ``preference`` (prompt, chosen, rejected) and ``kto`` (prompt, completion, label): two
   sequences per row, see `ligertune.data.preference`.
+* ``prompt`` (prompt, optional answer and metadata): prompts alone, whose completions an online
+  RL objective generates, see `ligertune.data.prompts`.
 
 ``data.columns`` maps each field below to a dataset's own column name (`rename_columns`, applied
 as a source is loaded) and, for the conversation formats, the message keys; ``data.roles`` maps
@@ -39,7 +41,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ligertune.catalog.formats import FORMAT_FIELDS, PAIR_FORMATS
+from ligertune.catalog.formats import FORMAT_FIELDS, UNPACKED_FORMATS
 from ligertune.data.chat import ChatOptions, Segments, chat_segments, end_of_turn
 from ligertune.errors import DataError, shown
 
@@ -122,9 +124,9 @@ def alpaca_prompt(instruction: str, input: str = "") -> str:
     return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
 
 
-FORMATS = ("alpaca", "prompt_completion", "chat", "sharegpt", "pretokenized", "preference", "kto")
-# PAIR_FORMATS (the catalog's): rows of two sequences trained together, tokenised by
-# `ligertune.data.preference`.
+FORMATS = ("alpaca", "prompt_completion", "chat", "sharegpt", "pretokenized", "preference", "kto", "prompt")
+# UNPACKED_FORMATS (the catalog's): pairs trained together (`ligertune.data.preference`) and
+# prompts whose completions are generated (`ligertune.data.prompts`), tokenised there.
 
 
 def canonical_format(fmt: str) -> str:
@@ -364,8 +366,10 @@ def tokenize_rows(
     """Rows of one split in the given format → samples (not yet truncated). `chat`: how the
     conversation formats read their messages (default: the format's own keys and roles)."""
     fmt = canonical_format(fmt)
-    if fmt in PAIR_FORMATS:
-        raise DataError(f"{source}: data.format {fmt} is tokenised in pairs (ligertune.data.preference)")
+    if fmt in UNPACKED_FORMATS:
+        raise DataError(
+            f"{source}: data.format {fmt} is tokenised by ligertune.data.preference (pairs) or ligertune.data.prompts"
+        )
     if fmt == "pretokenized":
         return pretokenized_samples(rows, len(tokenizer))
     if tokenizer.eos_token_id is None:

@@ -123,3 +123,9 @@ class MicroBatchLoader:
             batch["position_ids"][b, :n] = row["position_ids"]
             batch["attention_mask"][b, :n] = 1
         return batch
+
+
+def loader_class(dataset) -> type[MicroBatchLoader]:
+    """The loader of a split's rows: the ``loader`` their class names (pairs, prompts: collated
+    their own way), else `MicroBatchLoader`."""
+    return getattr(type(dataset), "loader", MicroBatchLoader)

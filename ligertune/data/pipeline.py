@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ligertune.catalog.formats import PROMPT_FORMATS, UNPACKED_FORMATS
 from ligertune.data.cache import (
     DamagedEntry,
     cache_root,
@@ -62,6 +63,7 @@ from ligertune.data.formats import (
 from ligertune.data.packing import SequenceDataset, layout_rows, truncate_and_mask
 from ligertune.data.preference import PAIR_FORMATS, pair_features, pair_rows, tokenize_pair_batch
 from ligertune.data.prepared import DataStats, Log, PreparedData
+from ligertune.data.prompts import prompt_features, prompt_rows, tokenize_prompt_batch
 from ligertune.data.sources import SourceSpec, load_split, quiet_datasets, source_fingerprint, source_specs
 from ligertune.data.streaming import build_streaming
 from ligertune.errors import DataError
@@ -75,6 +77,10 @@ if TYPE_CHECKING:
 
 # Independent random streams derived from the recipe seed, one per purpose.
 SHUFFLE_STREAM, HOLDOUT_STREAM, MIX_STREAM = 0, 1, 2
+# Formats tokenised their own way (a row of two sequences, a prompt): (map function, cached columns).
+_OWN_TOKENISERS = {fmt: (tokenize_pair_batch, pair_features) for fmt in PAIR_FORMATS} | {
+    fmt: (tokenize_prompt_batch, prompt_features) for fmt in PROMPT_FORMATS
+}
 # Rows above which tokenising in several processes pays for starting them (about 1 s).
 PARALLEL_ROWS = 20_000
 MAP_BATCH = 1000
@@ -132,6 +138,8 @@ class _Builder:
     def __init__(self, recipe: Recipe, tokenizer: PreTrainedTokenizerBase, log: Log):
         self.recipe, self.data, self.tokenizer, self.log = recipe, recipe.data, tokenizer, log
         self.specs = source_specs(recipe)
+        # A prompt's tokens: the row's, less what the objective generates after it (data.prompts).
+        self.prompt_budget = recipe.data.max_seq_len - recipe.objective.generated_tokens()
         self._loaded: dict[tuple[int, str], tuple[datasets.Dataset, Located]] = {}
 
     def source(self, index: int, split: str) -> tuple[datasets.Dataset, Located]:
@@ -156,6 +164,12 @@ class _Builder:
                 "tokenizer": tokenizer_fingerprint(self.tokenizer),
                 "data": data_keys(self.data),
                 "seed": self.recipe.seed,
+                # Only when it differs from max_seq_len, so that the other entries keep their keys.
+                **(
+                    {"prompt_tokens": self.prompt_budget}
+                    if self.prompt_budget != self.data.max_seq_len
+                    else {}
+                ),
             }
         )
         return cache_root(self.data) / key
@@ -299,14 +313,16 @@ class _Builder:
         selected = source.select_columns(columns).select(rows.tolist())
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         num_proc = min(8, os.cpu_count() or 1) if len(rows) > PARALLEL_ROWS else 1
-        pairs = spec.format in PAIR_FORMATS  # two sequences per row (ligertune.data.preference)
+        # Pairs (ligertune.data.preference) and prompts (ligertune.data.prompts) tokenise their own way.
+        tokenise, features = _OWN_TOKENISERS.get(spec.format, (tokenize_batch, sample_features))
+        prompts = spec.format in PROMPT_FORMATS
         mapped = selected.map(
-            tokenize_pair_batch if pairs else tokenize_batch,
+            tokenise,
             batched=True,
             batch_size=MAP_BATCH,
             with_indices=True,
             remove_columns=columns,
-            features=pair_features() if pairs else sample_features(),
+            features=features(),
             num_proc=num_proc if num_proc > 1 else None,
             cache_file_name=str(cache_file),
             new_fingerprint=f"{cache_file.stem}-{os.getpid()}-{time.time_ns()}",
@@ -316,12 +332,12 @@ class _Builder:
                 "tokenizer": self.tokenizer,
                 "train_on_inputs": self.data.train_on_inputs,
                 "messages_field": spec.messages_field,
-                "max_seq_len": self.data.max_seq_len,
+                "max_seq_len": self.prompt_budget if prompts else self.data.max_seq_len,
                 "source": name,
                 "chat": chat_options(spec.format, spec.columns, spec.roles, self.data.think_blocks),
             },
         )
-        if not pairs and not self.data.train_on_inputs:
+        if spec.format not in UNPACKED_FORMATS and not self.data.train_on_inputs:
             refuse_empty(mapped, rows, spec.format, name)
         return mapped
 
@@ -440,6 +456,8 @@ def _rows(
 
     if "split" in samples.column_names:  # pairs (ligertune.data.preference)
         return pair_rows(samples, data.max_seq_len, pad_token_id)
+    if "answer" in samples.column_names:  # prompts (ligertune.data.prompts)
+        return prompt_rows(samples, data.max_seq_len)
 
     table = samples.with_format("arrow")[:]
     ids_col = table.column("input_ids").combine_chunks()

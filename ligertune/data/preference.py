@@ -40,9 +40,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ligertune.catalog.formats import PAIR_FORMATS
 from ligertune.data.formats import (
     IGNORE_INDEX,
-    PAIR_FORMATS,
     Located,
     Rows,
     Sample,
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     import datasets
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["PAIR_FORMATS", "PairLoader", "PairRows", "loader_class", "pair_rows", "tokenize_pairs"]
+__all__ = ["PAIR_FORMATS", "PairLoader", "PairRows", "pair_rows", "tokenize_pairs"]
 
 REFERENCE_COLUMNS = {
     "preference": ("ref_chosen_logps", "ref_rejected_logps"),
@@ -86,7 +86,9 @@ def _text(value: Any, name: str, where: str) -> str:
     return value
 
 
-def _messages(value: Any, name: str, role: str, where: str) -> list[dict]:
+def chat_messages(value: Any, name: str, role: str, where: str) -> list[dict]:
+    """Column `name` as chat messages: a list of ``{role, content}`` (checked), or text read as one
+    message of `role`."""
     if isinstance(value, str):
         return [{"role": role, "content": _text(value, name, where)}]
     if not isinstance(value, list) or not value:
@@ -116,12 +118,12 @@ def _render_pair(tokenizer, prompt, responses, names, where) -> tuple[str, list[
         raise DataError(
             f"{where}: chat messages need a chat template; set tokenizer.chat_template in the recipe"
         )
-    messages = _messages(prompt, "prompt", "user", where)
+    messages = chat_messages(prompt, "prompt", "user", where)
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     texts = []
     for response, name in zip(responses, names, strict=True):
         full = tokenizer.apply_chat_template(
-            messages + _messages(response, name, "assistant", where), tokenize=False
+            messages + chat_messages(response, name, "assistant", where), tokenize=False
         )
         if not full.startswith(rendered) or len(full) == len(rendered):
             raise DataError(
@@ -312,6 +314,4 @@ class PairLoader(MicroBatchLoader):
         return batch
 
 
-def loader_class(dataset: Any) -> type[MicroBatchLoader]:
-    """The loader for a dataset: `PairLoader` for `PairRows`, else `MicroBatchLoader`."""
-    return PairLoader if isinstance(dataset, PairRows) else MicroBatchLoader
+PairRows.loader = PairLoader

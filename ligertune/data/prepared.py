@@ -26,8 +26,15 @@ class DataStats:
     packed: bool
     validation: DataStats | None = None
     streaming: bool = False  # counts unknown: the rows are made while training
+    prompts: bool = False  # prompts whose completions the objective generates (no label tokens here)
 
     def describe(self) -> str:
+        if self.prompts:
+            return (
+                f"{self.num_samples} prompts of {self.num_tokens / max(1, self.num_sequences):.0f} tokens on average, "
+                f"completions generated while training; {self.num_truncated} cut to fit {self.max_seq_len} tokens "
+                "with their completions"
+            )
         if self.streaming:
             layout = f"packed sequences of {self.max_seq_len}" if self.packed else "one sample per row"
             return f"streaming: samples tokenised on the fly ({layout}; length unknown, steps from max_steps)"

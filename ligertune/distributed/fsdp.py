@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -62,6 +63,8 @@ class FSDPRuntime(ProcessGroupRuntime):
         self.options = recipe.parallel.fsdp
         self.precision = recipe.training.precision
         self.sharded_init = recipe.parallel.shards_at_init
+        # Each FSDP unit's reshard_after_forward, as `_shard` set it (restored after `gathered`).
+        self._reshards: dict[nn.Module, bool] = {}
 
     @property
     def param_device(self) -> torch.device:
@@ -92,6 +95,27 @@ class FSDPRuntime(ProcessGroupRuntime):
         model = self._shard(model, self.recipe, self._shard_options(), trains=True)
         return model, make_optimizer(model, self.param_device)
 
+    @contextlib.contextmanager
+    def gathered(self, model):
+        """Every FSDP unit of the policy all-gathered once (``unshard``), kept gathered through
+        any number of forwards (``reshard_after_forward`` off meanwhile), then resharded and
+        given back its setting: a generation of N tokens costs one all-gather of the model
+        instead of N. The price is the whole model's weights in the compute dtype on every
+        rank while it runs (the memory plan counts it in the generation phase). *Collective.*"""
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        try:
+            for unit in units:
+                unit.unshard()
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(self._reshards.get(unit, True), recurse=False)
+
     def wrap_frozen(self, model, recipe):
         """The policy's layout (each decoder layer, then the root; the same mixed precision and
         offload; filled from rank 0 when built empty), so a reference or teacher costs each rank
@@ -120,10 +144,11 @@ class FSDPRuntime(ProcessGroupRuntime):
         layers = decoder_layers(model)
         for index, layer in enumerate(layers):
             last = trains and index == len(layers) - 1
-            fully_shard(
-                layer, **{**options, "reshard_after_forward": options["reshard_after_forward"] and not last}
-            )
+            reshards = options["reshard_after_forward"] and not last
+            fully_shard(layer, **{**options, "reshard_after_forward": reshards})
+            self._reshards[layer] = reshards
         fully_shard(model, **options)
+        self._reshards[model] = options["reshard_after_forward"]
         depth = self.options.prefetch
         if depth > 1:
             for index, layer in enumerate(layers):

@@ -158,6 +158,14 @@ class Runtime(Implements):
         """The Hugging Face model inside whatever `wrap` returned."""
         return model
 
+    def gathered(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Context in which `model` (the policy as `wrap` built it, not the wrapper) runs many
+        forwards under ``no_grad`` with its whole weights in place, gathered once for all of
+        them: an objective that generates its completions (one forward per token) runs inside
+        it. Here, and for every strategy that keeps whole parameters, there is nothing to do.
+        *Collective* for the sharded strategies."""
+        return contextlib.nullcontext()
+
     def accumulation_context(self, model: nn.Module, sync: bool) -> contextlib.AbstractContextManager:
         """Context for one micro-batch's forward and backward. `sync` is False for every
         micro-batch but the last of an optimizer step, so strategies that all-reduce

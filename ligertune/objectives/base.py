@@ -20,6 +20,13 @@ device): summed over the window they are means, e.g. a reward accuracy from 0/1 
 Each objective is an `Objective` subclass that names the catalog model of its recipe section
 (``options_model``, `ligertune.catalog.objectives`): that registers it, and `build_objective`
 finds the class of a recipe's ``objective`` section through it and calls its `build`.
+
+An objective may also make the micro-batches it trains on (`prepare`): online RL generates
+completions of the data's prompts with the policy, scores them and turns them into rows. The
+loop hands it each window of data micro-batches before the step and trains on what it returns;
+with `ObjectiveOptions.updates_per_window` above 1 it reuses them for that many optimizer
+steps (several policy updates per generation batch) and keeps them in the checkpoints saved in
+between, so a resume continues on the same rows. The default returns the data's micro-batches.
 """
 
 from __future__ import annotations
@@ -46,16 +53,28 @@ class ObjectiveOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # 0-d sums over the items, / N
 
 
+@dataclass
+class Prepared:
+    """What `Objective.prepare` makes of a window of data micro-batches."""
+
+    batches: list[Batch]  # the micro-batches to train on (CPU tensors only: a checkpoint may hold them)
+    metrics: dict[str, float] = field(
+        default_factory=dict
+    )  # window means over every rank, logged with the step
+    report: str | None = None  # lines for train.log (e.g. sample completions), on the main rank
+
+
 @dataclass(frozen=True)
 class Building:
     """What building an objective may need besides its options: the recipe and the runtime (to
-    build and place a frozen reference or teacher like the policy), and the policy itself (the
+    build and place a frozen reference or teacher like the policy), the policy itself (the
     model the strategy wraps, not the wrapper: a peft model with LoRA, whose reference is the
-    adapters-off policy)."""
+    adapters-off policy; an objective that generates samples from it) and the tokenizer."""
 
     recipe: Recipe | None = None
     policy: nn.Module | None = None
     runtime: Placement | None = None
+    tokenizer: object | None = None  # the data's, for an objective that decodes what it generates
 
 
 class Objective(Implements):
@@ -80,3 +99,10 @@ class Objective(Implements):
         """Forward `batch` (on the model's device) and return its summed loss over `num_items`
         (a 0-d int64 tensor on the device: N ≥ 1)."""
         raise NotImplementedError
+
+    def prepare(self, model: nn.Module, window: list[Batch], step: int) -> Prepared:
+        """The micro-batches of optimizer step `step` (0-based) and the next
+        ``updates_per_window − 1``, made from the data's `window` (CPU batches); `model` is what
+        the strategy wrapped. *Collective* when it communicates (every rank calls it, at the
+        same steps). Default: the window itself."""
+        return Prepared(window)

@@ -87,6 +87,40 @@ def sequence_logps(model: nn.Module, batch: Batch, fused: bool) -> tuple[torch.T
     return token.sum(-1), label_tokens(labels)
 
 
+def completion_positions(batch: Batch) -> tuple[slice, torch.Tensor]:
+    """(the positions whose hidden states predict the completion tokens, their targets [R, T]) of
+    a batch of prompt + completion rows (`ligertune.objectives.rollout`): the completion is the
+    last T = ``completion_mask.shape[1]`` positions, so positions S − T − 1 … S − 2 predict it,
+    and a padded completion token's target is −100."""
+    mask = batch["completion_mask"]
+    seq, length = batch["input_ids"].shape[1], mask.shape[1]
+    targets = torch.where(mask, batch["input_ids"][:, seq - length :], IGNORE_INDEX)
+    return slice(seq - length - 1, seq - 1), targets
+
+
+def completion_forward(model: nn.Module, batch: Batch, head: Callable):
+    """The model's forward over prompt + completion rows with `head` (`LM_HEAD_LOSS_FN`) run on the
+    completion positions only (``logits_to_keep``; their targets as ``shift_labels``), inside the
+    lm_head's call: the prompt's positions never reach the lm_head."""
+    keep, targets = completion_positions(batch)
+    return model(
+        **model_inputs(batch),
+        labels=targets,
+        shift_labels=targets,
+        logits_to_keep=keep,
+        **{LM_HEAD_LOSS_FN: head},
+    )
+
+
+def completion_logps(model: nn.Module, batch: Batch, fused: bool) -> torch.Tensor:
+    """[R, T] fp32 log-probs of the completion tokens (0 on padding), through the model's own
+    forward: fused, or from the completion positions' materialised logits."""
+    keep, targets = completion_positions(batch)
+    if fused:
+        return completion_forward(model, batch, _token_logps).loss.view(targets.shape)
+    return logps_from_logits(model(**model_inputs(batch), logits_to_keep=keep).logits, targets)
+
+
 def pair_sequence_loss(model: nn.Module, batch: Batch, loss: Callable) -> GroupedLogprobs:
     """The fused path's forward of a loss of pairs of rows, row i and row i + R/2 (chosen and
     rejected), each pair's term reading only its own rows' log-probs. `loss` is `GroupLoss.fn`:

@@ -12,6 +12,8 @@ frozen models (that reference, a distillation teacher) are built.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -30,12 +32,24 @@ if TYPE_CHECKING:
 
 
 class Placement(Protocol):
-    """What building a frozen model asks of the parallel strategy: `ligertune.distributed.Runtime`
-    (a layer above this one, so named here by the two methods used)."""
+    """What building an objective asks of the parallel strategy: `ligertune.distributed.Runtime`
+    (a layer above this one, so named here by the methods used): building and placing a frozen
+    model, and for an objective that generates, the policy's weights held gathered while it
+    generates and the collectives that score a generation batch over every rank."""
+
+    rank: int
+    world_size: int
+    device: torch.device
 
     def build_model(self, recipe: Recipe) -> nn.Module: ...
 
     def wrap_frozen(self, model: nn.Module, recipe: Recipe) -> nn.Module: ...
+
+    def gathered(self, model: nn.Module) -> contextlib.AbstractContextManager: ...
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def max_over_ranks(self, values: list[int]) -> list[int]: ...
 
 
 def build_frozen(recipe: Recipe | None, section: ModelSection, runtime: Placement | None) -> nn.Module:
@@ -90,11 +104,16 @@ class Reference:
             return torch.zeros(rows, device=batch["input_ids"].device)
         if self.kind == "precomputed":
             return batch["ref_logps"].float()
+        return self.run(policy, batch, sequence_logps)[0]
+
+    def run(self, policy: nn.Module, batch: Batch, logps: Callable):
+        """``logps(model, batch, fused)`` (`ligertune.objectives.logps`) of the reference model,
+        without gradients: the frozen copy, or the policy with its adapters off."""
         if self.kind == "adapters_off":
             with self.adapted.disable_adapter(), torch.no_grad():
-                return sequence_logps(policy, batch, self.fused)[0]
+                return logps(policy, batch, self.fused)
         with torch.no_grad():
-            return sequence_logps(self.model, batch, self.fused)[0]
+            return logps(self.model, batch, self.fused)
 
 
 def build_reference(kind: str, options: ObjectiveOptions, building: Building, fused: bool) -> Reference:

@@ -103,6 +103,16 @@ def recomputed_bytes(shape: ModelShape, s: Setting) -> int:
     return sum(t.bytes(s.tokens) for t in saved)
 
 
+# The loss head's tensors (`model_saved`): one per token that reaches the loss (`Setting.head_tokens`).
+HEAD = "loss head"
+
+
+def saved_bytes(t: Saved, s: Setting) -> int:
+    """A saved tensor's bytes in setting `s`: over the loss head's tokens for the head's own
+    tensors, over every token of the micro-batch for the rest."""
+    return t.bytes(s.head_tokens if t.module == HEAD else s.tokens)
+
+
 def model_saved(shape: ModelShape, s: Setting) -> list[Saved]:
     """What is saved once per model, outside the decoder layers: cos/sin, the final norm and
     the loss head's per-token tensors (the fused CE's dW is per model: see `head_fixed_bytes`)."""
@@ -116,18 +126,21 @@ def model_saved(shape: ModelShape, s: Setting) -> list[Saved]:
     head = head_path(s)
     saved += _norm_saved("final norm", shape, s, "rms_norm" in k, head != "fused")
     if head == "fused":  # the gradients, computed in the forward
-        saved.append(Saved("loss: fused CE dh", shape.hidden, ea))
+        saved.append(Saved("loss: fused CE dh", shape.hidden, ea, HEAD))
     elif head == "ce":  # the logits' gradient, written over the logits
-        saved.append(Saved("loss: logits' gradient", shape.vocab, ea))
+        saved.append(Saved("loss: logits' gradient", shape.vocab, ea, HEAD))
     elif s.loss_head == "distillation":  # `distillation_token_losses` on the whole batch's logits
         saved += [
-            Saved("loss: student fp32 log-probabilities (CE)", shape.vocab, 4),
-            Saved("loss: student fp32 log-probabilities at T (divergence)", shape.vocab, 4),
-            Saved("loss: teacher fp32 probabilities (divergence)", shape.vocab, 4),
-            Saved("loss: targets", 1, 8),
+            Saved("loss: student fp32 log-probabilities (CE)", shape.vocab, 4, HEAD),
+            Saved("loss: student fp32 log-probabilities at T (divergence)", shape.vocab, 4, HEAD),
+            Saved("loss: teacher fp32 probabilities (divergence)", shape.vocab, 4, HEAD),
+            Saved("loss: targets", 1, 8, HEAD),
         ]
     else:  # log_softmax keeps its fp32 output, nll_loss (or the log-probs' gather) the targets
-        saved += [Saved("loss: fp32 log-probabilities", shape.vocab, 4), Saved("loss: targets", 1, 8)]
+        saved += [
+            Saved("loss: fp32 log-probabilities", shape.vocab, 4, HEAD),
+            Saved("loss: targets", 1, 8, HEAD),
+        ]
     return saved
 
 
@@ -151,7 +164,7 @@ def head_fixed_bytes(shape: ModelShape, s: Setting) -> int:
 
 def loss_temporary_bytes(shape: ModelShape, s: Setting) -> int:
     """What the loss head allocates on top of what it saves, at its peak."""
-    n, v, ea = s.tokens, shape.vocab, compute_bytes(s)
+    n, v, ea = s.head_tokens, shape.vocab, compute_bytes(s)
     head = head_path(s)
     wide = 4 if ea != 4 else 0  # an fp32 dW accumulator over chunks (none for fp32 weights)
     if head == "fused" and s.loss_head == "distillation" and s.frozen is not None:
@@ -171,6 +184,13 @@ def loss_temporary_bytes(shape: ModelShape, s: Setting) -> int:
         pairs = chunk_rows(s.micro_batch_size, pair_rows * v, ea, DEFAULT_MEMORY_BUDGET_BYTES)
         accumulator = v * shape.hidden * wide if pairs < s.micro_batch_size else 0
         return pairs * pair_rows * v * ea + accumulator
+    if head == "fused" and s.loss_head == "policy":
+        # `fused_linear_policy_loss`: chunks of whole completions (at least one, generated_tokens
+        # rows, whatever the budget), the completion positions' hidden states copied contiguous
+        # [N, H], and the fp32 dW accumulator when there are several chunks.
+        rows = chunk_rows(s.rows, s.generated_tokens * v, ea, DEFAULT_MEMORY_BUDGET_BYTES)
+        accumulator = v * shape.hidden * wide if rows < s.rows else 0
+        return rows * s.generated_tokens * v * ea + n * shape.hidden * ea + accumulator
     if head == "fused":
         rows = sweep_rows(
             n, v, shape.hidden, ea, DEFAULT_MEMORY_BUDGET_BYTES, accumulator_bytes=wide, weight_bytes=ea
@@ -231,7 +251,9 @@ def activation_bytes(shape: ModelShape, s: Setting) -> dict[str, int]:
         parts[f"{' and '.join(what for what, _ in kept)} (offloaded to CPU: two on the GPU at a time)"] = (
             2 * max(each for _, each in kept)
         )
-    parts["outside the layers (cos/sin, final norm, loss)"] = sum(t.bytes(n) for t in model_saved(shape, s))
+    parts["outside the layers (cos/sin, final norm, loss)"] = sum(
+        saved_bytes(t, s) for t in model_saved(shape, s)
+    )
     fixed = head_fixed_bytes(shape, s)
     if fixed:
         parts["fused CE: lm_head gradient"] = fixed

@@ -15,7 +15,7 @@ policy's forward and backward run over all 2B rows at once, so every per-token c
 (activations, the loss head, the working sets) is of 2B rows.
 
 The peak allocated memory of a training step is the largest of three moments (four with a
-frozen reference):
+frozen reference, five with an objective that generates):
 
 1. *the loss*: the end of the forward, when every saved activation is alive, plus the loss
    head's temporaries (eager: the ``[tokens × vocab]`` logits, their fp32 copy, log-softmax and
@@ -31,6 +31,15 @@ frozen reference):
    reference saves none of its own: its gathered weights (sharded strategies), one layer's
    forward working set and its log-prob head (fused: one chunk of `fused_linear_logprobs`;
    materialised: the logits, their fp32 copy and its log_softmax) are the temporaries.
+
+5. *the generation* (an objective that generates its completions, grpo: `generation_bytes`):
+   before the step, so no gradients and no saved activations; the KV cache of the window's rows
+   (every micro-batch of the step, generated as one batch) at their full length, the prefill's
+   one-layer working set, the sampling's temporaries of the last position's logits, and under
+   FSDP2 every layer gathered at once (the gathered weights serve every token:
+   `ligertune.distributed.fsdp.FSDPRuntime.gathered`). Its loss head (``policy``) runs on the
+   completion positions only (`Setting.head_tokens`): chunks of whole completions, at least one
+   (``generated_tokens`` × vocab logits) whatever the budget.
 
 A distillation teacher's forward runs *inside* the student's loss: on the fused path the
 student's lm_head call runs the teacher's forward, whose own lm_head call computes the loss
@@ -114,6 +123,8 @@ Assumptions (what the GPU check, ``scripts/gpu_plan_accuracy.sh``, validates)
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ligertune.catalog.shape import ModelShape
 from ligertune.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows
 from ligertune.plan.activations import (
@@ -182,6 +193,36 @@ def frozen_temporaries(s: Setting) -> dict[str, int]:
 
 
 # --------------------------------------------------------------------------------------------
+# An objective's generation phase
+# --------------------------------------------------------------------------------------------
+
+
+def generation_bytes(shape: ModelShape, s: Setting) -> dict[str, int]:
+    """What generating a window's completions holds on top of the states (an objective with
+    `Setting.generated_tokens`, before the step: no gradients, no saved activations), by part.
+    The window (``accumulation`` micro-batches) is generated as one batch: the KV cache of its
+    rows at their full length (``seq_len``: prompt and completion), the prefill's one-layer
+    working set (a no-grad forward over the prompts), the last position's logits and the
+    sampling's fp32 copies (softmax, top-p's sort with its int64 indices and the scatter back,
+    the cumulative sum), and the strategy's whole model gathered (FSDP2: every layer)."""
+    if not s.generated_tokens:
+        return {}
+    ea, window = compute_bytes(s), replace(s, micro_batch_size=s.micro_batch_size * s.accumulation)
+    kv = 2 * shape.layers * shape.kv_heads * shape.head_dim * window.rows * s.seq_len * ea
+    parts = {
+        f"generation: KV cache ({window.rows} rows × {s.seq_len} tokens)": kv,
+        "generation: one layer's prefill forward (no grad)": frozen_layer_forward_bytes(shape, window),
+        "generation: last position's logits and sampling": window.rows
+        * shape.vocab
+        * (ea + 4 + 4 + 12 + 4 + 4),
+    }
+    gathered = s.parallel.memory_whole_gathered(shape, s.precision)
+    if gathered:
+        parts[f"generation: {s.parallel.label} whole model gathered"] = gathered
+    return parts
+
+
+# --------------------------------------------------------------------------------------------
 # The breakdown
 # --------------------------------------------------------------------------------------------
 
@@ -227,5 +268,9 @@ def estimate(shape: ModelShape, s: Setting) -> Breakdown:
         # Before the policy's forward (its activations not yet alive), no gradients (as at the
         # loss): the reference's log-probs under no_grad, one layer at a time, then its head.
         b.moments["frozen reference forward (before the policy's)"] = states + sum(frozen.values())
+    generation = generation_bytes(shape, s)
+    if generation:  # before the step: the previous step's gradients are freed, nothing is saved
+        b.temporaries.update(generation)
+        b.moments["generation (before the step)"] = states + sum(generation.values())
     b.states["gradients (at the end of backward)"] = grads
     return b

@@ -29,10 +29,11 @@ def native_gqa(recipe: Recipe) -> bool:
 
 
 def rows_per_sample(recipe: Recipe) -> int:
-    """2 for preference and kto data (a micro-batch of B pairs is [2B, S]), else 1."""
+    """2 for preference and kto data (a micro-batch of B pairs is [2B, S]), else the objective's
+    (grpo: the completions of each prompt)."""
     data = recipe.data
     formats = {m.format or data.format for m in data.mix} if data.mix else {data.format}
-    return 2 if formats & set(PAIR_FORMATS) else 1
+    return 2 if formats & set(PAIR_FORMATS) else recipe.objective.rows_per_sample()
 
 
 def base_setting(recipe: Recipe, world_size: int, frozen: ModelShape | None = None) -> Setting:
@@ -59,6 +60,8 @@ def base_setting(recipe: Recipe, world_size: int, frozen: ModelShape | None = No
         loss_head=recipe.objective.loss_head,
         frozen=frozen,
         frozen_role=held.role if (held := recipe.objective.frozen_model(recipe)) else "reference",
+        generated_tokens=recipe.objective.generated_tokens(),
+        accumulation=recipe.training.gradient_accumulation_steps,
     )
 
 

@@ -44,12 +44,32 @@ class Setting:
     # its shape and its role (reference or teacher). None: no second model.
     frozen: ModelShape | None = None
     frozen_role: str = "reference"
+    # Tokens the objective generates after each prompt (`ObjectiveOptions.generated_tokens`): 0,
+    # or a generation phase with a KV cache before the step (grpo), and a ``policy`` loss head
+    # that reaches only those positions.
+    generated_tokens: int = 0
+    # Micro-batches per optimizer step (gradient accumulation): an objective that generates does
+    # it for the whole window at once.
+    accumulation: int = 1
 
     @property
     def tokens(self) -> int:
         """Tokens of one micro-batch on one GPU: every row is ``seq_len`` long, a pair is two
         rows, and a strategy that splits sequences over ranks leaves each its share."""
         return self.micro_batch_size * self.rows_per_sample * self.seq_len // self.parallel.sequence_shards()
+
+    @property
+    def rows(self) -> int:
+        """Rows of one micro-batch: samples × rows per sample (pairs; completions per prompt)."""
+        return self.micro_batch_size * self.rows_per_sample
+
+    @property
+    def head_tokens(self) -> int:
+        """Tokens whose hidden states reach the loss at the lm_head: every token, but for the
+        ``policy`` head only the generated completions' (`ligertune.objectives.logps.completion_forward`)."""
+        if self.loss_head == "policy":
+            return self.rows * self.generated_tokens // self.parallel.sequence_shards()
+        return self.tokens
 
     @property
     def whole_layers(self) -> bool:
@@ -80,7 +100,8 @@ def checkpointed_layers(layers: int, s: Setting) -> int:
 class Saved:
     """One tensor autograd saves, per token: elements and bytes per element, and the decoder
     layer's sub-module whose operations save it (``attention``, ``mlp``; None: the layer's own,
-    as the norms')."""
+    as the norms'), or for the tensors outside the layers ``loss head`` (`activations.HEAD`:
+    counted over the tokens that reach the loss)."""
 
     name: str
     per_token: int

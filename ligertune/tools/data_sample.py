@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ligertune.catalog.formats import PAIR_FORMATS, PROMPT_FORMATS
 from ligertune.data.formats import IGNORE_INDEX, canonical_format, chat_options, tokenize_rows
 from ligertune.data.peek import first_rows, mapped
-from ligertune.data.preference import PAIR_FORMATS, tokenize_pairs
+from ligertune.data.preference import tokenize_pairs
+from ligertune.data.prompts import tokenize_prompts
 from ligertune.data.sources import source_specs
 
 if TYPE_CHECKING:
@@ -27,14 +29,26 @@ def tokenised_sample(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> list
             continue
         rows, columns, name = first_rows(spec, spec.split)
         rows, _ = mapped(rows, columns, spec, name)
+        named = [(f"{name}, row {index}", row) for index, row in enumerate(rows)]
         fmt = canonical_format(spec.format)
+        if fmt in PROMPT_FORMATS:  # the completions are generated: the prompts have a budget of their own
+            budget = data.max_seq_len - recipe.objective.generated_tokens()
+            prompts = tokenize_prompts(named, tokenizer, budget)
+            cut = sum(p["truncated"] for p in prompts)
+            lines.append(
+                f"{spec.key} ({name}): the first {len(rows)} prompts tokenise to "
+                f"{sum(len(p['input_ids']) for p in prompts):,} tokens; longest "
+                f"{max((len(p['input_ids']) for p in prompts), default=0)} of the prompt budget {budget}"
+                + (f"; {cut} cut from the left" if cut else "")
+            )
+            continue
         if fmt in PAIR_FORMATS:
-            pairs = tokenize_pairs(fmt, list(enumerate(rows)), tokenizer, data.max_seq_len, name)
+            pairs = tokenize_pairs(fmt, named, tokenizer, data.max_seq_len)
             samples = [s for pair in pairs for s in (pair.first, pair.second)]
         else:
             samples = tokenize_rows(
                 fmt,
-                list(enumerate(rows)),
+                named,
                 tokenizer,
                 train_on_inputs=data.train_on_inputs,
                 messages_field=spec.messages_field,
@@ -45,11 +59,11 @@ def tokenised_sample(recipe: Recipe, tokenizer: PreTrainedTokenizerBase) -> list
         trained = sum(label != IGNORE_INDEX for s in samples for label in s.labels)
         longest = max((len(s.input_ids) for s in samples), default=0)
         over = sum(len(s.input_ids) > data.max_seq_len for s in samples)
-        untrained = sum(all(label == IGNORE_INDEX for label in s.labels) for s in samples)
+        untrained = sum(s.empty for s in samples)
         lines.append(
             f"{spec.key} ({name}): the first {len(rows)} rows tokenise to {tokens:,} tokens, {trained:,} trained; "
             f"longest {longest} of data.max_seq_len {data.max_seq_len}"
             + (f"; {over} would be truncated" if over else "")
-            + (f"; {untrained} with nothing to train on (dropped)" if untrained else "")
+            + (f"; {untrained} with nothing to train on (train refuses them)" if untrained else "")
         )
     return lines

@@ -91,7 +91,10 @@ def plan(recipe: Recipe, world_size: int, budget: int, console: Console, target:
     shape = recipe_shape(recipe)
     base = base_setting(recipe, world_size, frozen_shape(recipe))
     own = estimate(shape, base)
-    pairs = f", {base.rows_per_sample} per sample (pairs)" if base.rows_per_sample > 1 else ""
+    what = (
+        f"completions per prompt, ≤ {base.generated_tokens} generated" if base.generated_tokens else "pairs"
+    )
+    pairs = f", {base.rows_per_sample} per sample ({what})" if base.rows_per_sample > 1 else ""
     frozen = (
         f", a frozen {base.frozen_role} of {count_label(base.frozen.params)} parameters"
         if base.frozen

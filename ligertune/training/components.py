@@ -25,7 +25,7 @@ from torch import nn
 
 from ligertune.config import Recipe
 from ligertune.data import build_datasets, load_tokenizer
-from ligertune.data.preference import loader_class
+from ligertune.data.loader import loader_class
 from ligertune.distributed import Runtime
 from ligertune.models.build import build_model, check_vocab
 from ligertune.models.shape import model_shape
@@ -99,7 +99,9 @@ def build(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> Compo
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, training, data.total_steps),
         # A frozen reference or teacher is built and placed by the runtime like the policy.
-        objective=build_objective(recipe.objective, recipe=recipe, policy=hf_model, runtime=runtime),
+        objective=build_objective(
+            recipe.objective, recipe=recipe, policy=hf_model, runtime=runtime, tokenizer=data.tokenizer
+        ),
         autocast=partial(autocast_for, training.precision, runtime.device),
         model_class=type(model).__name__,
         parameters=shape.params,
@@ -120,7 +122,8 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
         world_size=runtime.world_size,
     )
     training = recipe.training
-    # Preference/kto pairs collate into [2B, S] micro-batches (ligertune.data.preference).
+    # Preference/kto pairs collate into [2B, S] micro-batches (ligertune.data.preference), prompts
+    # into left-padded [B, P] ones (ligertune.data.prompts).
     MicroBatchLoader = loader_class(datasets.train)  # noqa: N806
     loader = MicroBatchLoader(
         datasets.train, training.micro_batch_size, shuffle=recipe.data.shuffle, **loader_args
@@ -141,7 +144,10 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
             )
             if runtime.is_main:
                 logging.getLogger("ligertune").warning(f"warning: no evaluation: {eval_skipped}")
-    total_steps = training.max_steps or math.ceil(
-        training.epochs * loader.batches_per_epoch / training.gradient_accumulation_steps
+    # An objective that trains several steps on each window (grpo's num_iterations) takes that many.
+    total_steps = (
+        training.max_steps
+        or math.ceil(training.epochs * loader.batches_per_epoch / training.gradient_accumulation_steps)
+        * recipe.objective.updates_per_window()
     )
     return Data(tokenizer, datasets, loader, eval_loader, total_steps, eval_skipped)

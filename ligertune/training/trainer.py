@@ -46,7 +46,6 @@ Stopping early
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import signal
@@ -79,6 +78,7 @@ from ligertune.training.resume import data_order, resume, resume_path
 from ligertune.training.signals import StopSignal
 from ligertune.training.state import Progress, StepRecord, TrainResult, TrainState
 from ligertune.training.step import evaluate, forward_backward, micro_batch_stream
+from ligertune.training.windows import Windows
 
 
 class Trainer:
@@ -116,6 +116,7 @@ class Trainer:
         self.parts = parts = build(recipe, runtime, self.log)
         self.checkpoints = CheckpointManager(recipe.run_dir / "checkpoints", recipe.checkpoint.keep_last)
         self.order = data_order(recipe, runtime.world_size, parts.data.datasets.fingerprint)
+        self.windows = Windows.of(parts, recipe, runtime.rank)
         resumed_message = self._resume()
         if runtime.is_main:
             self._start_log(resolved.message, resumed_message)
@@ -144,6 +145,7 @@ class Trainer:
             parts.data.datasets.fingerprint,
         )
         self.state = resumed.state
+        self.windows.restore(path, self.state.step)
         if self.state.step == 0:
             self.state.last_saved = None
         return "\n".join([*passed_over, resumed.message])
@@ -227,14 +229,16 @@ class Trainer:
         parts, state, training = self.parts, self.state, self.recipe.training
         t0 = time.perf_counter()
         position_before = state.position
-        window = list(itertools.islice(stream, training.gradient_accumulation_steps))
-        if not window:
-            return None
-        state.epoch, state.batch_index = window[-1][1]
         lr = parts.optimizer.param_groups[0]["lr"]
         try:
+            # The micro-batches to train on: the next window, as the objective prepares it.
+            prepared = self.windows.take(state, stream)
+            if prepared is None:
+                return None
+            if prepared.report:
+                self.log(prepared.report)
             outcome = forward_backward(
-                parts.model, parts.objective, [b for b, _ in window], self.runtime, parts.autocast
+                parts.model, parts.objective, prepared.batches, self.runtime, parts.autocast
             )
             grad_norm = self.runtime.clip_grad_norm(parts.model, training.max_grad_norm)
             # The step's one host synchronisation: the finiteness check needs the values.
@@ -275,7 +279,7 @@ class Trainer:
             int(tokens),
             seconds,
             not finite,
-            metrics=dict(zip(outcome.metrics, metric_values, strict=True)),
+            metrics={**prepared.metrics, **dict(zip(outcome.metrics, metric_values, strict=True))},
         )
 
     def _out_of_memory(self) -> None:
@@ -439,7 +443,7 @@ class Trainer:
         path = self.checkpoints.save_from(
             self.runtime,
             step,
-            write_state=lambda directory: self.runtime.save_state(directory, parts.model, parts.optimizer),
+            write_state=lambda directory: self._write_state(directory, step),
             format=self.runtime.checkpoint_format,
             scheduler=parts.scheduler.state_dict(),
             state=self.state.checkpoint_record(
@@ -449,6 +453,11 @@ class Trainer:
         )
         self.log(f"saved step-{step} to {path} in {time.perf_counter() - started:.1f} s")
         return path
+
+    def _write_state(self, directory: Path, step: int) -> None:
+        """This rank's part of a checkpoint: model, optimizer, the micro-batches still in use."""
+        self.runtime.save_state(directory, self.parts.model, self.parts.optimizer)
+        self.windows.save(directory, step)
 
     def _save_unless_saved(self) -> None:
         if self.state.last_saved != self.checkpoints.path_for(self.state.step):

@@ -16,6 +16,7 @@ from ligertune.catalog.choice import Choice
 from ligertune.catalog.objectives.base import FrozenModel, ObjectiveOptions
 from ligertune.catalog.objectives.distill import DistillOptions
 from ligertune.catalog.objectives.dpo import DPOOptions
+from ligertune.catalog.objectives.grpo import GRPOOptions
 from ligertune.catalog.objectives.kto import KTOOptions
 from ligertune.catalog.objectives.orpo import ORPOOptions
 from ligertune.catalog.objectives.sft import SFTOptions
@@ -24,7 +25,15 @@ from ligertune.catalog.objectives.simpo import SimPOOptions
 OBJECTIVES = Choice(
     "objective",
     "name",
-    (SFTOptions, DPOOptions, ORPOOptions, SimPOOptions, KTOOptions, DistillOptions),  # the first: the default
+    (
+        SFTOptions,
+        DPOOptions,
+        ORPOOptions,
+        SimPOOptions,
+        KTOOptions,
+        DistillOptions,
+        GRPOOptions,
+    ),  # the first: the default
 )
 
 

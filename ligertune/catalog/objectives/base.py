@@ -30,7 +30,9 @@ if TYPE_CHECKING:
 #   pairs     one pass per chunk of whole pairs: log-probs, loss and gradient together
 #   logprobs  per-token log-probs first (the fused CE with reduction none), then the loss
 #   distillation  the student's and the teacher's logits compared token by token
-LossHead = Literal["causal", "pairs", "logprobs", "distillation"]
+#   policy    one pass per chunk of whole generated completions (their tokens only): per-token
+#             log-probs, the clipped policy loss and its gradient together
+LossHead = Literal["causal", "pairs", "logprobs", "distillation", "policy"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,23 @@ class ObjectiveOptions(Section):
     def frozen_model(self, recipe: Recipe) -> FrozenModel | None:
         """The frozen model this objective keeps on the GPU besides the policy, or None."""
         return None
+
+    # -- an objective that makes its own data while it trains (online RL) ----------------------
+
+    def generated_tokens(self) -> int:
+        """Tokens it generates after each prompt, at most: each row of ``data.max_seq_len`` keeps
+        that many for the completion (the prompt is cut to the rest), and the memory plan counts
+        a generation phase (its KV cache) when this is not 0."""
+        return 0
+
+    def rows_per_sample(self) -> int:
+        """Rows of a micro-batch per sample of the data: the completions generated per prompt."""
+        return 1
+
+    def updates_per_window(self) -> int:
+        """Optimizer steps that train on the micro-batches made from one window of data (several
+        policy updates per generation batch); the loop takes a new window every that many steps."""
+        return 1
 
 
 # -- a reference model (dpo, kto) -------------------------------------------------------------

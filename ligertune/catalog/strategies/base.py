@@ -63,7 +63,8 @@ class ParallelOptions(Section):
     # A resume must run on as many processes as saved the checkpoint (one file per rank).
     resume_same_world_size: ClassVar[bool] = False
     # What it cannot do, and why: "lora" (adapters), "quantized" (bitsandbytes weights, QLoRA),
-    # "fp8" (torchao's float8 layers), "bf16 weights" (training.precision bf16), "eval.tasks"
+    # "fp8" (torchao's float8 layers), "bf16 weights" (training.precision bf16), "generation" (an
+    # objective that generates its completions with the policy while it trains), "eval.tasks"
     # (lm-evaluation-harness on the trained model, which needs one process to hold all of it).
     unsupported: ClassVar[dict[str, str]] = {}
     # What running it on the CPU costs, when that is more than slowness: a warning at the start.
@@ -130,6 +131,11 @@ class ParallelOptions(Section):
     def memory_temporaries(self, shape: ModelShape, precision: str) -> dict[str, int]:
         """What the strategy allocates for a moment at the end of backward (a reduction buffer)."""
         return {}
+
+    def memory_whole_gathered(self, shape: ModelShape, precision: str) -> int:
+        """What holding the whole model's weights at once (``Runtime.gathered``, while an objective
+        generates) adds to `memory_states`: nothing for a replica."""
+        return 0
 
     def lm_head_gradient_share(self, world_size: int) -> int:
         """The lm_head gradient on each GPU is 1/this of the whole at the start of backward."""

@@ -69,6 +69,8 @@ class DeepSpeedParallel(ParallelOptions):
         "quantized": "quantised weights cannot be sharded",
         "fp8": "torchao's float8 layers are not tested under DeepSpeed",
         "bf16 weights": "its bf16 mode keeps fp32 master weights in the ZeRO optimizer",
+        "generation": "generating in the loop is not wired to its engine (ZeRO-3 would gather every layer "
+        "for each generated token)",
         "eval.tasks": "the DeepSpeed engine holds the model (ZeRO-3 shards it)",
     }
     cpu_warning: ClassVar[str | None] = (

@@ -134,6 +134,14 @@ class FSDPParallel(ParallelOptions):
     def lm_head_gradient_share(self, world_size: int) -> int:
         return world_size
 
+    def memory_whole_gathered(self, shape: ModelShape, precision: str) -> int:
+        """Every decoder layer gathered (the states count the root and 1 + prefetch layers)."""
+        return (
+            max(0, shape.layers - 1 - self.fsdp.prefetch)
+            * shape.layer_params
+            * self.gathered_bytes(precision)
+        )
+
     def frozen_memory(self, frozen: ModelShape, precision: str, world_size: int) -> tuple[int, int, str]:
         """Sharded like the policy (always resharded after forward): 1/world of its weights, and
         while its forward runs the gathered layers (current + prefetch) and its root."""

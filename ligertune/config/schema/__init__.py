@@ -19,7 +19,7 @@ from pathlib import Path
 from pydantic import Field, field_validator, model_validator
 
 from ligertune.catalog import objectives, strategies
-from ligertune.catalog.formats import PAIR_FORMATS
+from ligertune.catalog.formats import UNPACKED_FORMATS
 from ligertune.catalog.objectives import OBJECTIVES, ObjectiveOptions
 from ligertune.catalog.section import RUN_NAME, ModelSection, Section
 from ligertune.catalog.strategies import STRATEGIES, ParallelOptions
@@ -115,9 +115,9 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _pairs_unpacked(self) -> Recipe:
         """Preference and kto rows hold two sequences trained as a pair, which packing cannot keep
-        together: data.packing defaults to off for them (the rule ``objective.pairs_unpacked``
-        refuses an explicit true)."""
-        if self.data.format in PAIR_FORMATS and "packing" not in self.data.model_fields_set:
+        together, and a prompt row is completed into its own row: data.packing defaults to off for
+        them (the rule ``objective.pairs_unpacked`` refuses an explicit true)."""
+        if self.data.format in UNPACKED_FORMATS and "packing" not in self.data.model_fields_set:
             self.data.packing = False
         return self
 
@@ -148,6 +148,12 @@ class Recipe(Section):
 
     def resolve(self, path: str) -> Path:
         return resolve_path(path, self._base_dir)
+
+    @property
+    def base_dir(self) -> Path | None:
+        """The folder of the recipe file (None for a recipe built in code): relative paths, and
+        the modules of reward functions, are looked up there too."""
+        return self._base_dir
 
 
 __all__ = [

@@ -39,7 +39,8 @@ class DataSection(Section):
         description="alpaca: instruction/input/output; chat (or messages): an OpenAI-style list of "
         "{role, content}; sharegpt: a list of {from, value} (human/gpt/system); prompt_completion: "
         "prompt/completion, loss on the completion; pretokenized: input_ids[/labels]; preference: "
-        "prompt/chosen/rejected (text or chat messages; dpo, orpo, simpo); kto: prompt/completion/label.",
+        "prompt/chosen/rejected (text or chat messages; dpo, orpo, simpo); kto: prompt/completion/label; "
+        "prompt: prompt[/answer/metadata], completions generated in the loop (grpo).",
     )
     path: str | None = Field(
         None,
