@@ -498,6 +498,14 @@ def test_parity_check_catches_a_wrong_kernel(monkeypatch):
     assert "logits (eval)" in failed and any(name.startswith("grad ") for name in failed)
 
 
+def test_parity_check_bf16_catches_a_wrong_kernel(monkeypatch):
+    """The 16-bit tolerance (3× HF's own error) still fails a kernel that is 5% off."""
+    real = rms_kernel.rms_norm
+    monkeypatch.setattr(rms_kernel, "rms_norm", lambda *a, **k: real(*a, **k) * 1.05)
+    result = parity_check(tiny_model("qwen3"), random_batch(), "all", dtype=torch.bfloat16)
+    assert not result.ok and "logits (eval)" in {c.name for c in result.failures}, str(result)
+
+
 def test_parity_check_bf16():
     """16-bit: patched and HF are both compared with an fp32 run of the same weights."""
     result = parity_check(tiny_model("qwen3"), random_batch(), "all", dtype=torch.bfloat16)

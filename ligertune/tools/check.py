@@ -28,8 +28,13 @@ from ligertune.patching.report import PatchReport
 FP32_TOL = 1e-5
 # 16-bit: the two models round at different places (the kernels keep fp32 intermediates that
 # HF rounds to bf16), so they are compared through an fp32 run of the same weights: the patched
-# model's error must be at most twice HF's own, plus 2⁻⁸ (one bf16 rounding) of slack for
-# quantities where HF happens to land very close.
+# model's error must be at most `LOW_PRECISION_FACTOR` times HF's own, plus 2⁻⁸ (one bf16
+# rounding) of slack for quantities where HF happens to land very close. The factor is 3, not 2:
+# on a tiny Qwen3 the small q_norm/k_norm weight gradients are noisy (sums over few rows with
+# cancellation), and over 80 random batches the worst tensor's error reached 2.08× HF's
+# (median 1.16×), so 2× failed a correct model about one time in forty. An error of a few
+# percent, a wrong kernel in 16-bit, is still far outside it.
+LOW_PRECISION_FACTOR = 3.0
 LOW_PRECISION_SLACK = 2.0**-8
 
 
@@ -133,7 +138,7 @@ def parity_check(
     optional); ``labels`` default to ``input_ids``. Checked, as relative norms of the difference:
     the training loss (the fused path when that kernel is on), every parameter gradient, and the
     eval-mode logits (HF's path: no labels). Tolerances: `FP32_TOL` in fp32; in bf16/fp16 both
-    models are compared with an fp32 run of the same weights (see `LOW_PRECISION_SLACK`).
+    models are compared with an fp32 run of the same weights (see `LOW_PRECISION_FACTOR`).
     """
     if "input_ids" not in batch:
         raise ValueError("batch needs input_ids (and optionally attention_mask and labels)")
@@ -155,7 +160,7 @@ def parity_check(
         for name, ref in truth.items():
             hf_err = _rel_err(hf[name], ref)
             err = _rel_err(ours[name], ref) if name in ours else math.inf
-            checks.append(ParityCheck(name, err, 2 * hf_err + LOW_PRECISION_SLACK, hf_err))
+            checks.append(ParityCheck(name, err, LOW_PRECISION_FACTOR * hf_err + LOW_PRECISION_SLACK, hf_err))
     checks += [ParityCheck(name, math.inf, 0.0) for name in ours.keys() - hf.keys()]
     return ParityResult(dtype, report, checks)
 
