@@ -4,11 +4,13 @@ hub when the recipe asks (``export.push_to_hub``)."""
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ligertune.config import recipe_to_yaml
 from ligertune.config.schema import ExportSection
 from ligertune.distributed import Runtime
 from ligertune.errors import TrainingError
@@ -121,6 +123,25 @@ def _export_lora(
         finally:
             hf_logging.enable_progress_bar()
     runtime.barrier()
+    return directory
+
+
+def export_run(model: nn.Module, tokenizer, runtime: Runtime, recipe, log) -> Path:
+    """The finished run's Hugging Face export (``final/``, see `export_hf`) and its upload
+    (``export.push_to_hub``), each with a line in the run's log."""
+    started = time.perf_counter()
+    directory = export_hf(
+        model,
+        tokenizer,
+        runtime,
+        recipe.run_dir / "final",
+        merge=recipe.export.merge_lora,
+        recipe_yaml=recipe_to_yaml(recipe),
+    )
+    log(f"exported the model in Hugging Face format to {directory} in {time.perf_counter() - started:.1f} s")
+    pushed = push_export(directory, recipe.export, runtime)
+    if pushed:
+        log(f"uploaded the export to {pushed}")
     return directory
 
 

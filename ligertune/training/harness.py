@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ligertune.errors import UsageError
+from ligertune.errors import TrainingError, UsageError
 from ligertune.paths import resolve_path
+from ligertune.run.loggers import console_handler
 
 TASK_FILE_SUFFIXES = (".yaml", ".yml")
 
@@ -168,17 +169,23 @@ def _first_line(error: BaseException) -> str:
     return (text.splitlines() or [type(error).__name__])[0][:300]
 
 
-def score_run(recipe, model: nn.Module, tokenizer, verbose: bool = False) -> dict[str, float]:
+def score_run(recipe, model: nn.Module, tokenizer, saved: Path | None) -> dict[str, float]:
     """``eval.tasks`` on the model a run just trained (this process's whole model: strategy none
-    or ddp, the ``eval.tasks_runnable`` rule), task files resolved against the recipe's folder."""
+    or ddp, the ``eval.tasks_runnable`` rule), task files resolved against the recipe's folder.
+    lm-eval's progress shows with ``-v``. A task that cannot run is a `TrainingError` that says
+    where the trained model is (`saved`): the run's work is not lost to a bad task name."""
     evaluation = recipe.eval
-    return run_tasks(
-        model,
-        tokenizer,
-        evaluation.tasks,
-        base=recipe._base_dir,
-        limit=evaluation.limit,
-        num_fewshot=evaluation.num_fewshot,
-        batch_size=evaluation.batch_size,
-        verbose=verbose,
-    )
+    handler = console_handler()
+    try:
+        return run_tasks(
+            model,
+            tokenizer,
+            evaluation.tasks,
+            base=recipe._base_dir,
+            limit=evaluation.limit,
+            num_fewshot=evaluation.num_fewshot,
+            batch_size=evaluation.batch_size,
+            verbose=handler is not None and handler.level <= logging.DEBUG,
+        )
+    except HarnessError as e:
+        raise TrainingError(f"eval.tasks: {e}; the trained model is saved in {saved}") from None

@@ -61,7 +61,6 @@ from ligertune.distributed import Runtime, create_runtime
 from ligertune.errors import OutOfMemoryError, RecipeError, TrainingError
 from ligertune.run.checkpoint import CheckpointManager
 from ligertune.run.lock import RunLock
-from ligertune.run.loggers import console_handler
 from ligertune.run.metrics import (
     MetricsLogger,
     RunSummary,
@@ -72,8 +71,8 @@ from ligertune.run.metrics import (
 )
 from ligertune.training.auto import memory_budget, oom_suggestion, resolve_auto
 from ligertune.training.components import Components, build
-from ligertune.training.export import export_hf, push_export
-from ligertune.training.harness import HarnessError, score_run
+from ligertune.training.export import export_run
+from ligertune.training.harness import score_run
 from ligertune.training.resume import data_order, resume, resume_path
 from ligertune.training.signals import StopSignal
 from ligertune.training.state import Progress, StepRecord, TrainResult, TrainState
@@ -420,17 +419,9 @@ class Trainer:
         return loss
 
     def _score_tasks(self) -> dict[str, float]:
-        """eval.tasks through lm-evaluation-harness (`ligertune.training.harness`): a record in
-        metrics.jsonl and a line in the log; the summary lists them."""
+        """eval.tasks (`ligertune.training.harness`): a record in metrics.jsonl and a log line."""
         started, step = time.perf_counter(), self.state.step
-        handler = console_handler()  # -v shows lm-eval's progress too
-        verbose = handler is not None and handler.level <= logging.DEBUG
-        try:
-            scores = score_run(self.recipe, self.parts.hf_model, self.parts.data.tokenizer, verbose=verbose)
-        except HarnessError as e:
-            raise TrainingError(
-                f"eval.tasks: {e}; the trained model is saved in {self.state.last_saved}"
-            ) from None
+        scores = score_run(self.recipe, self.parts.hf_model, self.parts.data.tokenizer, self.state.last_saved)
         self.metrics.write({"event": "eval_tasks", "step": step, **scores})
         shown = " | ".join(f"{k.removeprefix('eval_')} {v:.4f}" for k, v in scores.items())
         self.log(f"eval tasks step {step} | {shown} ({time.perf_counter() - started:.1f} s)")
@@ -472,21 +463,7 @@ class Trainer:
             if parts.data.eval_loader is not None and not (eval_every and state.step % eval_every == 0):
                 progress.eval_loss = self._evaluate()
             if recipe.checkpoint.export_hf:
-                started = time.perf_counter()
-                export_dir = export_hf(
-                    parts.model,
-                    parts.data.tokenizer,
-                    self.runtime,
-                    recipe.run_dir / "final",
-                    merge=recipe.export.merge_lora,
-                    recipe_yaml=recipe_to_yaml(recipe),
-                )
-                self.log(
-                    f"exported the model in Hugging Face format to {export_dir} in {time.perf_counter() - started:.1f} s"
-                )
-                pushed = push_export(export_dir, recipe.export, self.runtime)
-                if pushed:
-                    self.log(f"uploaded the export to {pushed}")
+                export_dir = export_run(parts.model, parts.data.tokenizer, self.runtime, recipe, self.log)
             if recipe.eval.tasks and self.metrics is not None:  # the main rank scores its whole model
                 task_scores = self._score_tasks()
         if self.metrics is not None:
