@@ -619,12 +619,21 @@ def moe_experts(
     sentinels ``≥ E`` are not supported: unchecked, since checking would read the device);
     top_k_weights ``[T, k]``, any float dtype (the combine runs in fp32); weights and biases in
     hidden's dtype. Returns ``[T, H]`` in hidden's dtype. Differentiable in hidden, top_k_weights,
-    the weights and the biases; tensors that do not require grad get none computed.
+    the weights and the biases; tensors that do not require grad get none computed. Under
+    ``torch.autocast`` hidden, the weights and the biases are cast to the autocast dtype (as a
+    linear layer's operands would be) and the result is returned in hidden's original dtype, as
+    HF's experts return it.
     """
+    out_dtype = hidden.dtype
+    if torch.is_autocast_enabled(hidden.device.type):
+        # The op is opaque to autocast, which would otherwise leave fp32 master weights in fp32.
+        compute = torch.get_autocast_dtype(hidden.device.type)
+        hidden, gate_up_proj, down_proj = (t.to(compute) for t in (hidden, gate_up_proj, down_proj))
+        gate_up_bias, down_bias = (None if t is None else t.to(compute) for t in (gate_up_bias, down_bias))
     _check(hidden, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, layout)
     extras = [t for t in (gate_up_bias, down_bias) if t is not None]
     if not _grouped_path(hidden, gate_up_proj, down_proj, top_k_index, top_k_weights, *extras):
-        return moe_experts_reference(
+        out = moe_experts_reference(
             hidden,
             top_k_index,
             top_k_weights,
@@ -636,6 +645,7 @@ def moe_experts(
             alpha=alpha,
             limit=limit,
         )
+        return out.to(out_dtype)
     out, _ = _moe_experts_fwd(
         hidden.contiguous(),
         top_k_index.contiguous(),
@@ -648,7 +658,7 @@ def moe_experts(
         float(alpha),
         float(limit),
     )
-    return out
+    return out.to(out_dtype)
 
 
 def _activation_reference(gate, up, layout, alpha, limit) -> torch.Tensor:

@@ -243,6 +243,27 @@ def test_inputs_that_require_no_grad(layout, frozen, kernel_path):
         assert ours_in[name] is None or ours_in[name].grad is None, name
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_autocast_computes_in_its_dtype(layout, kernel_path):
+    """fp32 inputs under bf16 autocast (``bf16-mixed``): the same result and gradients as with
+    hidden, weights and biases cast to bf16 outside autocast (the routing weights stay fp32),
+    returned in fp32, the gradients reaching the fp32 leaves."""
+    case = make_case(7, 40, 24, 5, 2, layout)
+    under, cast = differentiable(case), differentiable(case)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run_ours(under, layout)
+    floats = [n for n in NAMES if case[n] is not None]
+    casts = {n: cast[n].to(torch.bfloat16) for n in floats if n != "top_k_weights"}
+    expected = run_ours({**cast, **casts}, layout)
+    assert out.dtype == torch.float32 and torch.equal(out, expected.float())
+    dout = fresh_randn(*out.shape)
+    out.backward(dout)
+    expected.float().backward(dout)
+    for name in floats:
+        assert under[name].grad.dtype == torch.float32
+        assert torch.equal(under[name].grad, cast[name].grad), name
+
+
 HF_MODULES = {
     "gate_up_halves": lambda h, i, e, k: Qwen3MoeExperts(
         Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k)
