@@ -42,7 +42,9 @@ Saved for backward: the inputs (references: hidden, top_k_index, top_k_weights, 
 are held by the caller anyway) and the pre-activation ``gate_up`` [T·k, 2I] in the input dtype,
 i.e. ``2·T·k·I·e`` bytes (e = bytes per element): 201 MB per layer for Qwen3-30B-A3B's experts at
 T = 8192 in bf16. Nothing of size [T·k, H] and not ``a`` is kept. Peak extra memory in the
-backward: ``dy``, ``G``, ``d gate_up`` and ``dx`` (2·T·k·(H + 1.5·I)·e bytes at most together).
+backward: ``dy``, ``G`` and ``d gate_up`` together, ``T·k·(H + 3I)·e`` bytes (570 MB for
+Qwen3-30B-A3B); the down projection's gradients are taken first so that ``dy`` is gone before
+the gate/up side gathers ``[T·k, H]`` buffers of its own.
 
 When it runs. Triton on CUDA or under ``TRITON_INTERPRET=1`` with float32/bfloat16/float16
 inputs whose H and I rows are whole 16-byte units (grouped_mm's stride rule) and a torch with
@@ -416,6 +418,17 @@ def _moe_experts_bwd(
             BLOCK=_block(n_inter),
         )
     weighted_act = grad_act  # overwritten in place by the kernel: w_s · a_s
+    # The down projection's gradients first, so dy and w·a are freed before the [T·k, H]
+    # buffers of the gate/up side exist (the backward's peak is then dy + G + d gate_up).
+    d_w2 = d_b2 = None
+    if need_dw2:
+        if layout == "gate_up_halves":
+            d_w2 = _GROUPED_MM(dy.t(), weighted_act, offs=offs)
+        else:
+            d_w2 = _GROUPED_MM(weighted_act.t(), dy, offs=offs)
+    if need_db2:
+        d_b2 = _segment_sum(dy, offs, w_sorted, down_bias.dtype)
+    del dy, weighted_act, grad_act
     grads = []
     if need_dx:
         dx_sorted = _GROUPED_MM(d_gate_up, _w1(gate_up_proj, layout).transpose(1, 2), offs=offs)
@@ -433,15 +446,13 @@ def _moe_experts_bwd(
             grads.append(_GROUPED_MM(d_gate_up.t(), x_sorted, offs=offs))
         else:
             grads.append(_GROUPED_MM(x_sorted.t(), d_gate_up, offs=offs))
+        del x_sorted
     if need_dw2:
-        if layout == "gate_up_halves":
-            grads.append(_GROUPED_MM(dy.t(), weighted_act, offs=offs))
-        else:
-            grads.append(_GROUPED_MM(weighted_act.t(), dy, offs=offs))
+        grads.append(d_w2)
     if need_db1:
         grads.append(_segment_sum(d_gate_up, offs, None, gate_up_bias.dtype))
     if need_db2:
-        grads.append(_segment_sum(dy, offs, w_sorted, down_bias.dtype))
+        grads.append(d_b2)
     return grads
 
 
