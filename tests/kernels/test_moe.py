@@ -186,7 +186,7 @@ def check_against_oracle(case, layout, dtype, frozen=()):
     else:
         ref = oracle(ref_in, layout)
         assert_close(out, ref, torch.float32, "out")
-    dout = fresh_randn(*out.shape, dtype=dtype)
+    dout = fresh_randn(*out.shape, dtype=dtype, device=out.device)
     wrt = [n for n in NAMES if ours_in[n] is not None and ours_in[n].requires_grad]
     grads = torch.autograd.grad(out, [ours_in[n] for n in wrt], dout)
     refs = torch.autograd.grad(ref, [ref_in[n] for n in wrt], dout.double())
@@ -373,6 +373,25 @@ def test_real_size_bf16_against_float64_on_cuda(layout, kernel_path):
     against the float64 oracle on the GPU (each expert recomputed in its backward)."""
     case = make_case(8192, 2048, 768, 128, 8, layout, dtype=torch.bfloat16, device="cuda")
     check_against_oracle_low_memory(case, layout)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_idle_experts_and_no_host_sync_on_cuda(layout, kernel_path):
+    """On CUDA: experts that receive no token (their weight gradients must come out zero from
+    grouped_mm's empty groups) against the float64 oracle; then forward and backward again under
+    torch's sync debug mode, which raises on any host synchronisation."""
+    case = make_case(512, 256, 128, 8, 2, layout, dtype=torch.bfloat16, device="cuda", experts=[1, 3, 6])
+    check_against_oracle(case, layout, torch.bfloat16)
+    ours_in = differentiable(case)
+    wrt = [ours_in[n] for n in NAMES if ours_in[n] is not None]
+    dout = fresh_randn(512, 256, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        torch.autograd.grad(run_ours(ours_in, layout), wrt, dout)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def check_against_oracle_low_memory(case, layout):
