@@ -70,7 +70,7 @@ SHAPES = {
     "mixtral-8x7b": Shape(4096, 8, 2, 14336, "gate_up_halves"),
 }
 # The dry run keeps each shape's layout and routing arity, at sizes the interpreter runs in seconds.
-DRY_SHAPE = {"hidden": 32, "experts": 4, "inter": 16, "tokens": 16}
+DRY_SHAPE = {"hidden": 32, "experts": 3, "inter": 16, "tokens": 8}
 PROVIDERS = ("hf_eager", "hf_grouped_mm", "compile_ref", "liger", "ligertune")
 PASSES = ("fwd", "bwd", "full")
 
