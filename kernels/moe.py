@@ -39,15 +39,16 @@ by the routing weight) and ``G = dy · W2`` per expert ([N, I]):
 * ``∂L/∂W1_e = Σ_{s∈e} d gate_up_sᵀ x_s``, ``∂L/∂b1_e = Σ_{s∈e} d gate_up_s``.
 
 Saved for backward: the inputs (references: hidden, top_k_index, top_k_weights, weights, biases
-are held by the caller anyway) and the pre-activation ``gate_up`` [T·k, 2I] in the input dtype,
-i.e. ``2·T·k·I·e`` bytes (e = bytes per element): 201 MB per layer for Qwen3-30B-A3B's experts at
+are held by the caller anyway) and the pre-activation ``gate_up`` [T·k, 2I] in the input dtype
+(before the bias, which both kernels add as they load it), i.e. ``2·T·k·I·e`` bytes (e = bytes per element): 201 MB per layer for Qwen3-30B-A3B's experts at
 T = 8192 in bf16. Nothing of size [T·k, H] and not ``a`` is kept. Peak extra memory in the
 backward: ``dy``, ``G`` and ``d gate_up`` together, ``T·k·(H + 3I)·e`` bytes (570 MB for
 Qwen3-30B-A3B); the down projection's gradients are taken first so that ``dy`` is gone before
 the gate/up side gathers ``[T·k, H]`` buffers of its own.
 
 When it runs. Triton on CUDA or under ``TRITON_INTERPRET=1`` with float32/bfloat16/float16
-inputs whose H and I rows are whole 16-byte units (grouped_mm's stride rule) and a torch with
+inputs whose H and I rows are whole 16-byte units and whose weights start on a 16-byte boundary
+(grouped_mm's layout rules), and a torch with
 ``torch.nn.functional.grouped_mm`` (2.10+) or ``torch._grouped_mm`` (2.8+); otherwise the
 per-expert loop `moe_experts_reference` (HF's eager algorithm, with host synchronisation). On
 CUDA, torch's grouped_mm is a single grouped kernel for bfloat16 on SM80+; other dtypes take
