@@ -265,6 +265,19 @@ def test_autocast_computes_in_its_dtype(kernel_path):
         assert torch.equal(under[name].grad, cast[name].grad), name
 
 
+def test_backward_may_run_twice(kernel_path):
+    """retain_graph: the backward reads the saved pre-activation and never writes it, so a second
+    backward gives the same gradients."""
+    case = make_case(6, 24, 16, 3, 2, "gpt_oss")
+    ours_in = differentiable(case)
+    out = run_ours(ours_in, "gpt_oss")
+    dout = fresh_randn(*out.shape)
+    wrt = [ours_in[n] for n in NAMES]
+    first = torch.autograd.grad(out, wrt, dout, retain_graph=True)
+    second = torch.autograd.grad(out, wrt, dout)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
 HF_MODULES = {
     "gate_up_halves": lambda h, i, e, k: Qwen3MoeExperts(
         Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=k)
@@ -381,7 +394,8 @@ def test_real_size_bf16_against_float64_on_cuda(layout, kernel_path):
 def test_idle_experts_and_no_host_sync_on_cuda(layout, kernel_path):
     """On CUDA: experts that receive no token (their weight gradients must come out zero from
     grouped_mm's empty groups) against the float64 oracle; then forward and backward again under
-    torch's sync debug mode, which raises on any host synchronisation."""
+    torch's sync debug mode, which raises on any host synchronisation; then once more, bit for
+    bit the same."""
     case = make_case(512, 256, 128, 8, 2, layout, dtype=torch.bfloat16, device="cuda", experts=[1, 3, 6])
     check_against_oracle(case, layout, torch.bfloat16)
     ours_in = differentiable(case)
@@ -390,9 +404,14 @@ def test_idle_experts_and_no_host_sync_on_cuda(layout, kernel_path):
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        torch.autograd.grad(run_ours(ours_in, layout), wrt, dout)
+        out = run_ours(ours_in, layout)
+        grads = torch.autograd.grad(out, wrt, dout)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    # No atomics anywhere: a second run is bit-identical.
+    again = run_ours(ours_in, layout)
+    assert torch.equal(out, again)
+    assert all(torch.equal(a, b) for a, b in zip(grads, torch.autograd.grad(again, wrt, dout), strict=True))
 
 
 def check_against_oracle_low_memory(case, layout):
