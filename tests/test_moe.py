@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 
 import pytest
 import torch
@@ -17,8 +18,15 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ligertune.catalog.kernels import KERNEL_NAMES
+from ligertune.config import load_recipe
+from ligertune.config.rules import model_problems
+from ligertune.errors import RecipeError
+from ligertune.models.config import build_config
+from ligertune.models.shape import recipe_shape
 from ligertune.patching import patch_model
 from ligertune.tools.check import FP32_TOL, parity_check
+from ligertune.training import train
+from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT
 from tests.kernels.helpers import rel_err
 from tests.test_patching import LAYERS, TINY, grads, one_torch_thread, random_batch  # noqa: F401
 
@@ -141,3 +149,67 @@ def test_patched_moe_forward_keeps_hf_signature(model_type):
     hf_params = list(inspect.signature(type(model).forward).parameters)[1:]
     patch_model(model, "all")
     assert list(inspect.signature(model.forward).parameters) == hf_params
+
+
+# --------------------------------------------------------------------------------------------
+# The recipe key, the plan's active parameters, a run's metrics
+# --------------------------------------------------------------------------------------------
+
+E, K, WIDTH, H = 4, 2, 32, 64
+MOE_CONFIG = (
+    "model.config={model_type: qwen3_moe, vocab_size: 2048, hidden_size: 64, intermediate_size: 128, "
+    f"moe_intermediate_size: {WIDTH}, num_experts: {E}, num_experts_per_tok: {K}, num_hidden_layers: 2, "
+    "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, tie_word_embeddings: false}"
+)
+
+
+def moe_recipe(tmp_path, *overrides):
+    # 64 tokens: the bundled Alpaca prompts fill 32.
+    return load_recipe(QUICKSTART, [MOE_CONFIG, "data.max_seq_len=64", f"output_dir={tmp_path}", *overrides])
+
+
+def test_router_aux_loss_key(tmp_path):
+    assert build_config(moe_recipe(tmp_path)).output_router_logits is True  # on by default
+    assert build_config(moe_recipe(tmp_path, "model.router_aux_loss=false")).output_router_logits is False
+    kept = moe_recipe(tmp_path, "model.config_overrides={output_router_logits: false}")
+    assert build_config(kept).output_router_logits is False
+    both = moe_recipe(
+        tmp_path, "model.router_aux_loss=true", "model.config_overrides={output_router_logits: true}"
+    )
+    with pytest.raises(
+        RecipeError, match="model.router_aux_loss and model.config_overrides.output_router_logits"
+    ):
+        build_config(both)
+    # validate names the key for a dense model
+    problems = model_problems(load_recipe(QUICKSTART, ["model.router_aux_loss=true"]))
+    assert any(p.startswith("model.router_aux_loss: true needs a mixture-of-experts model") for p in problems)
+
+
+def test_plan_counts_active_parameters():
+    """Qwen3-30B-A3B's published sizes: 30.5B parameters, 3.3B active; each token computes
+    with 8 of the 128 experts of its 48 layers (3 matrices of 2048 × 768 each)."""
+    recipe = load_recipe(ROOT / "recipes" / "qwen3-30b-a3b-alpaca-bench.yaml")
+    shape = recipe_shape(recipe)
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert shape.expert_params == experts and (shape.experts, shape.top_k) == (128, 8)
+    assert shape.active_params == shape.params - experts * 120 // 128
+    assert round(shape.params / 1e9, 1) == 30.5 and round(shape.active_params / 1e9, 1) == 3.4
+    dense_flops = 6 * (shape.params - shape.embed_params)  # what MFU counted before
+    assert shape.flops_per_token(0) == 6 * (shape.active_params - shape.embed_params) < dense_flops / 7
+    assert shape.intermediate == 8 * 768  # the routed rows one token's activations are sized by
+
+
+def test_run_logs_router_metrics(tmp_path):
+    """Two steps of a tiny Qwen3-MoE with every kernel: metrics.jsonl has the balancing loss and
+    the expert load, within their ranges."""
+    overrides = [*PLAIN_RUN, "kernels=all", "training.max_steps=2", "training.micro_batch_size=2"]
+    overrides += ["training.gradient_accumulation_steps=2", "data.validation_fraction=0.0"]
+    recipe = moe_recipe(tmp_path, *overrides)
+    train(recipe)
+    records = [json.loads(line) for line in (recipe.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["event"] == "train"]
+    assert len(steps) == 2
+    for r in steps:
+        # Σ f·P·E over experts with Σf = k: between k·(something ≥ 1/E·E) and k·E; here ≈ k.
+        assert 0 < r["aux_loss"] < K * E
+        assert 1 <= r["expert_load_mean"] <= r["expert_load_max"] <= E / K
