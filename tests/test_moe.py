@@ -28,7 +28,15 @@ from ligertune.tools.check import FP32_TOL, parity_check
 from ligertune.training import train
 from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT
 from tests.kernels.helpers import rel_err
-from tests.test_patching import LAYERS, TINY, grads, one_torch_thread, random_batch  # noqa: F401
+from tests.test_patching import (  # noqa: F401 - one_torch_thread: the module's autouse fixture
+    CURVE_TOL,
+    LAYERS,
+    STEPS,
+    TINY,
+    grads,
+    one_torch_thread,
+    random_batch,
+)
 
 COEF = 0.5
 MOE = dict(output_router_logits=True, router_aux_loss_coef=COEF, num_experts_per_tok=2)
@@ -57,6 +65,26 @@ FAMILIES = {
         0,
     ),
 }
+
+
+def train_steps(model: nn.Module, batches: list[dict], hf_reference: bool = False) -> list[float]:
+    """AdamW over the batches; the loss of every step. For HF's model with a batch normalised by a
+    count N larger than its own label tokens n, HF's unscaled balancing term is rescaled to ours,
+    coef · aux · n / N, from HF's own ``aux_loss``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    model.train()
+    losses = []
+    for batch in batches:
+        out = model(**batch)
+        loss = out.loss
+        if hf_reference and "num_items_in_batch" in batch:
+            share = int((batch["labels"][:, 1:] != -100).sum()) / int(batch["num_items_in_batch"])
+            loss = loss - COEF * out.aux_loss * (1 - share)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
 
 
 def tiny_moe(model_type: str, **changes) -> nn.Module:
@@ -90,6 +118,29 @@ def test_moe_family_parity(model_type):
         if c.name.startswith("grad ") and (".gate.weight" in c.name or ".router." in c.name)
     ]
     assert router, "the routers must be trained and checked"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])  # both routings; ~13 s each
+def test_moe_family_training_curve(model_type):
+    """20 AdamW steps with the balancing loss on, normalised by num_items_in_batch on every other
+    step (then HF's term is rescaled by n / N, `train_steps`); one layer (Qwen3-MoE: sparse) and
+    one sequence per batch, as the dense families' curve."""
+    one_layer = {"num_hidden_layers": 1}
+    if "layer_types" in FAMILIES[model_type][0]:
+        one_layer["layer_types"] = ["full_attention"]
+    if model_type == "qwen3_moe":
+        one_layer["mlp_only_layers"] = []
+    torch.manual_seed(0)  # routing near-ties: see test_moe_family_parity_bf16
+    hf = tiny_moe(model_type, **one_layer)
+    ours = copy.deepcopy(hf)
+    patch_model(ours, "all")
+    distinct = [random_batch(num_items=i % 2 == 1, batch=1) for i in range(4)]
+    batches = [distinct[i % 4] for i in range(STEPS)]
+    hf_losses, our_losses = train_steps(hf, batches, hf_reference=True), train_steps(ours, batches)
+    for step, (a, b) in enumerate(zip(our_losses, hf_losses, strict=True)):
+        assert abs(a - b) <= CURVE_TOL * abs(b), f"step {step}: patched loss {a} vs HF {b}"
+    assert hf_losses[-1] < 0.5 * hf_losses[0], "the curve must move for the comparison to mean something"
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])  # GPT-OSS: its norm's fp32 weight product
