@@ -222,6 +222,8 @@ def moe_recipe(tmp_path, *overrides):
 def test_router_aux_loss_key(tmp_path):
     assert build_config(moe_recipe(tmp_path)).output_router_logits is True  # on by default
     assert build_config(moe_recipe(tmp_path, "model.router_aux_loss=false")).output_router_logits is False
+    aliased = moe_recipe(tmp_path, "model.config_overrides={num_experts: 8}")  # attribute_map's alias
+    assert build_config(aliased).num_local_experts == 8
     kept = moe_recipe(tmp_path, "model.config_overrides={output_router_logits: false}")
     assert build_config(kept).output_router_logits is False
     both = moe_recipe(

@@ -129,8 +129,9 @@ def _overridden_config(recipe: Recipe):
     except ValueError as e:
         raise RecipeError([f"model.config: {e}"]) from None
     # A config class stores any keyword it is given, so typos must be caught against the
-    # fields the class itself defines (plus those the mapping already set).
-    known = set(type(base)().to_dict()) | set(base.to_dict())
+    # fields the class itself defines (plus those the mapping already set),
+    # and the aliases of its attribute_map (Qwen3-MoE's num_experts is num_local_experts).
+    known = set(type(base)().to_dict()) | set(base.to_dict()) | set(type(base).attribute_map)
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise RecipeError([_unknown_keys_problem(unknown, sorted(known))])
