@@ -24,6 +24,8 @@ from ligertune.errors import RecipeError
 from ligertune.models.config import build_config
 from ligertune.models.shape import recipe_shape
 from ligertune.patching import patch_model
+from ligertune.plan.activations import layer_saved
+from ligertune.plan.setting import Setting
 from ligertune.tools.check import FP32_TOL, parity_check
 from ligertune.training import train
 from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT
@@ -250,6 +252,11 @@ def test_plan_counts_active_parameters():
     dense_flops = 6 * (shape.params - shape.embed_params)  # what MFU counted before
     assert shape.flops_per_token(0) == 6 * (shape.active_params - shape.embed_params) < dense_flops / 7
     assert shape.intermediate == 8 * 768  # the routed rows one token's activations are sized by
+    experts_saved = {
+        t.name: t.per_token for t in layer_saved(shape, Setting(micro_batch_size=1, seq_len=2048))
+    }
+    assert experts_saved["experts: each token's k input copies"] == 8 * 2048
+    assert experts_saved["mlp: up"] == 8 * 768
 
 
 def test_run_logs_router_metrics(tmp_path):
