@@ -252,6 +252,7 @@ def test_plan_counts_active_parameters():
     dense_flops = 6 * (shape.params - shape.embed_params)  # what MFU counted before
     assert shape.flops_per_token(0) == 6 * (shape.active_params - shape.embed_params) < dense_flops / 7
     assert shape.intermediate == 8 * 768  # the routed rows one token's activations are sized by
+    assert shape.layer_active_params == shape.layer_params - 128 * 3 * 2048 * 768 * 120 // 128
     experts_saved = {
         t.name: t.per_token for t in layer_saved(shape, Setting(micro_batch_size=1, seq_len=2048))
     }

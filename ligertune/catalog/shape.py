@@ -48,6 +48,15 @@ class ModelShape:
         return self.params - self.expert_params * (self.experts - self.top_k) // self.experts
 
     @property
+    def layer_active_params(self) -> int:
+        """One decoder layer's parameters a token computes with (its MoE layers taken as alike:
+        each holds 1/layers of the routed experts' weights)."""
+        if not self.experts:
+            return self.layer_params
+        inactive = self.expert_params // self.layers * (self.experts - self.top_k) // self.experts
+        return self.layer_params - inactive
+
+    @property
     def matmul_params(self) -> int:
         """Active parameters taking part in matmuls: all but the input embedding's lookup and
         the experts a token is not routed to, with the output projection counted once even when
