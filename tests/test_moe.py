@@ -14,13 +14,15 @@ import json
 
 import pytest
 import torch
+import transformers
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
 
 from ligertune.catalog.kernels import KERNEL_NAMES
 from ligertune.config import load_recipe
 from ligertune.config.rules import model_problems
 from ligertune.errors import RecipeError
+from ligertune.models.build import build_model
 from ligertune.models.config import build_config
 from ligertune.models.shape import recipe_shape
 from ligertune.patching import patch_model
@@ -274,3 +276,34 @@ def test_run_logs_router_metrics(tmp_path):
         # Σ f·P·E over experts with Σf = k: between k·(something ≥ 1/E·E) and k·E; here ≈ k.
         assert 0 < r["aux_loss"] < K * E
         assert 1 <= r["expert_load_mean"] <= r["expert_load_max"] <= E / K
+
+
+def test_mxfp4_checkpoint_loads_dequantised(tmp_path, monkeypatch):
+    """A GPT-OSS folder whose config says MXFP4 (as openai/gpt-oss-20b's does) is loaded with
+    ``Mxfp4Config(dequantize=True)``: plain floating experts, equal to the saved weights, trainable."""
+    saved = tiny_moe("gpt_oss", num_hidden_layers=1, layer_types=["full_attention"])
+    saved.save_pretrained(tmp_path / "model")
+    config_file = tmp_path / "model" / "config.json"
+    config = json.loads(config_file.read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    config_file.write_text(json.dumps(config))
+    seen = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("quantization_config"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    recipe = load_recipe(
+        QUICKSTART,
+        ["model.config=null", f"model.name_or_path={tmp_path / 'model'}", f"output_dir={tmp_path}"],
+    )
+    model = build_model(recipe, torch.device("cpu"))
+    assert isinstance(seen[0], Mxfp4Config) and seen[0].dequantize
+    experts = model.model.layers[0].mlp.experts
+    assert type(experts.gate_up_proj) is nn.Parameter and experts.gate_up_proj.is_floating_point()
+    torch.testing.assert_close(experts.gate_up_proj.float(), saved.model.layers[0].mlp.experts.gate_up_proj)
+    model.train()
+    model(**random_batch()).loss.backward()
+    assert experts.gate_up_proj.grad is not None
