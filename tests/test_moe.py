@@ -18,6 +18,8 @@ import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
 
+from ligertune.catalog.families import FAMILIES as FAMILY_TABLE
+from ligertune.catalog.families import Experts
 from ligertune.catalog.kernels import KERNEL_NAMES
 from ligertune.config import load_recipe
 from ligertune.config.rules import model_problems
@@ -26,6 +28,7 @@ from ligertune.models.build import build_model
 from ligertune.models.config import build_config
 from ligertune.models.shape import recipe_shape
 from ligertune.patching import patch_model
+from ligertune.patching.mlp import activation_of
 from ligertune.plan.activations import layer_saved
 from ligertune.plan.setting import Setting
 from ligertune.tools.check import FP32_TOL, parity_check
@@ -100,6 +103,49 @@ def tiny_moe(model_type: str, **changes) -> nn.Module:
             if p.dim() == 1 and "sinks" not in name:  # norm weights and biases: away from ones/zeros
                 p.add_(0.2 * torch.randn_like(p))
     return model
+
+
+def route(experts: Experts, config, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert indices) of each token as the family record says it routes."""
+    k = getattr(config, experts.top_k_attr)
+    if experts.routing == "topk_softmax":
+        top, chosen = logits.topk(k, dim=-1)
+        return top.softmax(-1), chosen
+    weights, chosen = logits.float().softmax(-1).topk(k, dim=-1)
+    renormalise = experts.renormalise
+    if isinstance(renormalise, str):
+        renormalise = getattr(config, renormalise)
+    return (weights / weights.sum(-1, keepdim=True) if renormalise else weights), chosen
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_experts_record_describes_the_hf_model(model_type):
+    """The family table's experts record against the model transformers builds: its classes and
+    attributes, and its routing semantics against the router's own output on random rows."""
+    model = tiny_moe(model_type)
+    family = FAMILY_TABLE[model_type]
+    experts = family.experts
+    blocks = [m for m in model.modules() if isinstance(m, family.resolve(experts.sparse_block))]
+    assert blocks
+    rows = torch.randn(16, model.config.hidden_size)
+    for block in blocks:
+        router = getattr(block, experts.router_attr)
+        assert isinstance(router, family.resolve(experts.router))
+        assert isinstance(block.experts, family.resolve(experts.experts))
+        assert block.experts.gate_up_proj.shape[0] == getattr(model.config, experts.num_experts_attr)
+        assert hasattr(block.experts, "gate_up_proj_bias") == experts.experts_biased
+        if experts.expert_activation == "silu":
+            assert activation_of(block.experts.act_fn) == "silu"
+        else:  # GPT-OSS's clamped SwiGLU
+            assert (block.experts.alpha, block.experts.limit) == (1.702, 7.0)
+        if experts.shared_expert_attr:
+            assert isinstance(getattr(block, experts.shared_expert_attr), family.resolve(family.mlp))
+            assert isinstance(getattr(block, experts.shared_expert_gate_attr), nn.Linear)
+        with torch.no_grad():
+            logits, weights, chosen = router(rows)
+            ours_weights, ours_chosen = route(experts, model.config, logits)
+        assert torch.equal(chosen, ours_chosen)
+        torch.testing.assert_close(weights.float(), ours_weights.float())
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
