@@ -27,6 +27,7 @@ from ligertune.errors import RecipeError
 from ligertune.models.build import build_model
 from ligertune.models.config import build_config
 from ligertune.models.shape import recipe_shape
+from ligertune.objectives.causal_lm import CausalLM, Router
 from ligertune.patching import patch_model
 from ligertune.patching.mlp import activation_of
 from ligertune.plan.activations import layer_saved
@@ -40,10 +41,12 @@ from tests.test_patching import (  # noqa: F401 - one_torch_thread: the module's
     LAYERS,
     STEPS,
     TINY,
+    VOCAB,
     grads,
     one_torch_thread,
     random_batch,
 )
+from tests.test_patching import train as train_steps
 
 COEF = 0.5
 MOE = dict(output_router_logits=True, router_aux_loss_coef=COEF, num_experts_per_tok=2)
@@ -72,26 +75,6 @@ FAMILIES = {
         0,
     ),
 }
-
-
-def train_steps(model: nn.Module, batches: list[dict], hf_reference: bool = False) -> list[float]:
-    """AdamW over the batches; the loss of every step. For HF's model with a batch normalised by a
-    count N larger than its own label tokens n, HF's unscaled balancing term is rescaled to ours,
-    coef · aux · n / N, from HF's own ``aux_loss``."""
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    model.train()
-    losses = []
-    for batch in batches:
-        out = model(**batch)
-        loss = out.loss
-        if hf_reference and "num_items_in_batch" in batch:
-            share = int((batch["labels"][:, 1:] != -100).sum()) / int(batch["num_items_in_batch"])
-            loss = loss - COEF * out.aux_loss * (1 - share)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
 
 
 def tiny_moe(model_type: str, **changes) -> nn.Module:
@@ -174,8 +157,7 @@ def test_moe_family_parity(model_type):
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])  # both routings; ~13 s each
 def test_moe_family_training_curve(model_type):
     """20 AdamW steps with the balancing loss on, normalised by num_items_in_batch on every other
-    step (then HF's term is rescaled by n / N, `train_steps`); one layer (Qwen3-MoE: sparse) and
-    one sequence per batch, as the dense families' curve."""
+    step; one layer (Qwen3-MoE: sparse) and one sequence per batch, as the dense families' curve."""
     one_layer = {"num_hidden_layers": 1}
     if "layer_types" in FAMILIES[model_type][0]:
         one_layer["layer_types"] = ["full_attention"]
@@ -187,7 +169,7 @@ def test_moe_family_training_curve(model_type):
     patch_model(ours, "all")
     distinct = [random_batch(num_items=i % 2 == 1, batch=1) for i in range(4)]
     batches = [distinct[i % 4] for i in range(STEPS)]
-    hf_losses, our_losses = train_steps(hf, batches, hf_reference=True), train_steps(ours, batches)
+    hf_losses, our_losses = train_steps(hf, batches), train_steps(ours, batches)
     for step, (a, b) in enumerate(zip(our_losses, hf_losses, strict=True)):
         assert abs(a - b) <= CURVE_TOL * abs(b), f"step {step}: patched loss {a} vs HF {b}"
     assert hf_losses[-1] < 0.5 * hf_losses[0], "the curve must move for the comparison to mean something"
@@ -203,29 +185,58 @@ def test_moe_family_parity_bf16(model_type):
     assert result.ok, str(result)
 
 
-def test_balancing_loss_is_in_the_fused_loss_and_scaled_over_a_window():
-    """Two micro-batches of one window, normalised by N = both micro-batches' label tokens: the
-    token loss sums to the window's mean, and the balancing term of each micro-batch is weighted by
-    its share n/N of the label tokens (one micro-batch: n = N, exactly HF's)."""
+def test_fused_forward_adds_hfs_balancing_term_per_forward():
+    """Normalised by a count N larger than the micro-batch's own label tokens (accumulation), the
+    fused forward's loss is still HF's: token sum / N + coef · aux, loss and every gradient."""
     hf = tiny_moe("qwen3_moe")
     ours = copy.deepcopy(hf)
     patch_model(ours, "all")
     hf.train()
     ours.train()
+    batch = random_batch(num_items=True)
+    ref, out = hf(**batch), ours(**batch)
+    assert out.logits is None and out.aux_loss is not None
+    assert rel_err(out.aux_loss, ref.aux_loss) <= FP32_TOL
+    assert rel_err(out.loss, ref.loss) <= FP32_TOL
+    ref.loss.backward()
+    out.loss.backward()
+    for name, g in grads(hf).items():
+        assert rel_err(grads(ours)[name], g) <= FP32_TOL, name
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["fused", "hf"])
+def test_sft_weights_the_balancing_loss_by_token_share(kernels):
+    """Two micro-batches of one window: the SFT objective's loss is Σ token losses / N +
+    coef · aux · n / N per micro-batch, kernels on or off. The reference is independent of the
+    code under test: a float64 cross entropy over HF's own logits plus HF's own aux_loss."""
+    hf = tiny_moe("qwen3_moe")
+    model = copy.deepcopy(hf)
+    if kernels:
+        patch_model(model, "all")
+    objective = CausalLM(Router(top_k=2, aux_loss_coef=COEF))
     batches = [random_batch(), random_batch(batch=1)]
     counts = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
     n = torch.tensor(sum(counts))
+    hf.train()
+    model.train()
     for batch, count in zip(batches, counts, strict=True):
-        ref = hf(**batch, num_items_in_batch=n)  # HF: sum/N + coef·aux, unscaled
-        (ref.loss - COEF * ref.aux_loss * (1 - count / n)).backward()
-        out = ours(**batch, num_items_in_batch=n)
-        assert out.logits is None and out.aux_loss is not None
-        assert rel_err(out.aux_loss, ref.aux_loss) <= FP32_TOL
+        ref = hf(input_ids=batch["input_ids"])  # logits and the balancing loss, no loss of HF's
+        logits = ref.logits[:, :-1].reshape(-1, VOCAB).double()
+        tokens = nn.functional.cross_entropy(logits, batch["labels"][:, 1:].reshape(-1), reduction="sum")
+        expected = tokens / n + COEF * ref.aux_loss.double() * count / n
+        expected.backward()
+        out = objective(model, batch, n)
+        assert rel_err(out.loss, expected) <= FP32_TOL
         out.loss.backward()
-    hf_grads, our_grads = grads(hf), grads(ours)
-    assert our_grads.keys() == hf_grads.keys()
-    for name, g in hf_grads.items():
-        assert rel_err(our_grads[name], g) <= FP32_TOL, name
+        assert set(out.metrics) == {"aux_loss", "expert_load_max", "expert_load_mean"}
+    for name, g in grads(hf).items():
+        assert rel_err(grads(model)[name], g) <= FP32_TOL, name
+    model.eval()  # validation: the token loss alone
+    with torch.no_grad():
+        batch = batches[0]
+        ref = hf.eval()(input_ids=batch["input_ids"]).logits[:, :-1].reshape(-1, VOCAB).double()
+        tokens = nn.functional.cross_entropy(ref, batch["labels"][:, 1:].reshape(-1), reduction="sum")
+        assert rel_err(objective(model, batch, torch.tensor(1)).loss, tokens) <= FP32_TOL
 
 
 def test_router_outputs_off_means_no_balancing_loss():

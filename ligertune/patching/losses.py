@@ -15,10 +15,11 @@ Both keep HF's targets and normalisation: labels shifted by one (or ``shift_labe
 (gradient accumulation), else the mean over non-ignored tokens.
 
 Mixture-of-experts families: with ``output_router_logits`` on (the forward's argument, else the
-config's), the fused forward adds the router's load-balancing loss as HF's ``*MoeForCausalLM``
-does, with HF's own ``load_balancing_loss_func`` of the modeling module, times the config's
-``router_aux_loss_coef`` (`_router_aux_loss` says how it is scaled under gradient accumulation).
-No family of the table has a router z-loss in transformers 5.17.
+config's), the fused forward adds the router's load-balancing loss exactly as HF's
+``*MoeForCausalLM`` does, with the modeling module's own ``load_balancing_loss_func``, times the
+config's ``router_aux_loss_coef``, once per forward (the SFT objective reweights it over an
+accumulation window: `ligertune.objectives.causal_lm`). No family of the table has a router
+z-loss in transformers 5.17.
 """
 
 from __future__ import annotations
@@ -159,32 +160,6 @@ def fused_head(head: nn.Module):
     return None, f"lm_head is {type(head).__name__}"
 
 
-def _router_aux_loss(
-    self, experts: Experts, balancing, router_logits, attention_mask, target, ignore_index, num_items
-):
-    """``router_aux_loss_coef · load_balancing_loss`` of this forward, scaled by n / N.
-
-    n: this micro-batch's label tokens; N: ``num_items_in_batch``, the label tokens of the whole
-    accumulation window on every rank (the objective's normaliser, `ligertune.objectives.base`).
-    With one micro-batch on one process n = N and the term is exactly HF's, so loss and gradients
-    equal HF's. Over a window the backward passes add up to the token-weighted mean of the
-    micro-batches' balancing losses, the same weighting the token loss gets; HF adds the
-    unscaled term per forward, so under accumulation over M micro-batches on R ranks its weight
-    grows M·R-fold against the token loss. Without ``num_items_in_batch`` (a plain mean) the
-    scale is 1, as in HF."""
-    config = self.config
-    aux = balancing(
-        router_logits,
-        getattr(config, experts.num_experts_attr),
-        getattr(config, experts.top_k_attr),
-        attention_mask,
-    )
-    scale = 1.0
-    if num_items is not None:
-        scale = (target != ignore_index).sum() / num_items
-    return aux, getattr(config, experts.aux_loss_coef_attr) * aux * scale
-
-
 def _fused_causal_lm_forward(
     self,
     input_ids=None,
@@ -216,9 +191,9 @@ def _fused_causal_lm_forward(
     the kernel cannot compute) runs HF's own forward unchanged.
 
     A mixture-of-experts family (``_experts``, its modeling module's load-balancing function
-    ``_balancing``) adds the router's balancing loss when
-    ``output_router_logits`` is on (`_router_aux_loss`) and returns HF's
-    ``MoeCausalLMOutputWithPast`` with ``aux_loss`` (unscaled, as HF) and ``router_logits``.
+    ``_balancing``) returns HF's ``MoeCausalLMOutputWithPast``; with ``output_router_logits`` on
+    it has ``aux_loss`` and ``router_logits``, and the loss includes ``coef · aux_loss`` as HF's
+    (not when ``LM_HEAD_LOSS_FN`` replaces the loss: that loss is the caller's own).
     """
     hf_forward = type(self).forward
     router_outputs = False
@@ -278,17 +253,15 @@ def _fused_causal_lm_forward(
     else:
         aux_loss = None
         if router_outputs:
-            aux_loss, term = _router_aux_loss(
-                self,
-                _experts,
-                _balancing,
+            config = self.config
+            aux_loss = _balancing(
                 outputs.router_logits,
+                getattr(config, _experts.num_experts_attr),
+                getattr(config, _experts.top_k_attr),
                 attention_mask,
-                target,
-                ignore_index,
-                kwargs.get("num_items_in_batch"),
             )
-            loss = loss + term.to(loss.device)
+            if loss_fn is None:
+                loss = loss + getattr(config, _experts.aux_loss_coef_attr) * aux_loss.to(loss.device)
         output = MoeCausalLMOutputWithPast(
             loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits, **common
         )
