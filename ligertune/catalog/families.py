@@ -21,14 +21,49 @@ Classes are named, not imported, so that importing this table costs nothing (it 
 torch-free catalog); `resolve` imports the modeling module on demand.
 
 A family with other parts keeps to one row: a mixture-of-experts family adds a record of its
-expert and router classes (and how it routes), a vision-language family one of its vision tower
-and projector, each a field of `Family` that is None for the dense text families.
+expert and router classes (and how it routes, `Experts`), a vision-language family one of its
+vision tower and projector, each a field of `Family` that is None for the dense text families.
+GPT-OSS differs from the Llama layout twice in ways a kernel sees: its RMSNorm multiplies the
+weight in fp32 before the one cast (the "gemma" casting with offset 0), and its rotary cos/sin
+carry half the rotary width, each value used for both halves (``rope_half_cos``).
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Experts:
+    """The mixture-of-experts part of a family: what routes, what computes, which config
+    attributes size it, and how a token's experts and their weights are chosen.
+
+    ``routing``: "softmax_topk": softmax over all experts' logits, then the top k of those
+    probabilities (renormalised to sum to 1 when ``renormalise`` says so: True, or the name of
+    the config attribute that decides it, Qwen's ``norm_topk_prob``); "topk_softmax": the top k
+    logits, then a softmax over those k (GPT-OSS; the weights sum to 1 by construction).
+    The experts themselves stay transformers' (``experts_implementation``, default grouped_mm).
+    """
+
+    sparse_block: str  # the module that routes and combines (GPT-OSS calls it GptOssMLP)
+    router: str
+    experts: str
+    router_attr: str  # the router's attribute in the sparse block
+    num_experts_attr: str
+    expert_width_attr: str  # one expert's intermediate size
+    routing: str  # "softmax_topk" | "topk_softmax"
+    renormalise: bool | str = False
+    top_k_attr: str = "num_experts_per_tok"
+    aux_loss_coef_attr: str = "router_aux_loss_coef"
+    output_router_logits_attr: str = "output_router_logits"
+    # Qwen2-MoE: a dense MLP every token goes through beside the routed experts, scaled by
+    # sigmoid(shared_expert_gate(x)); it is the family's `mlp` class, so the gated kernel finds it.
+    shared_expert_attr: str | None = None
+    shared_expert_gate_attr: str | None = None
+    shared_expert_width_attr: str | None = None
+    experts_biased: bool = False  # GPT-OSS: biases on both expert projections and the router
+    expert_activation: str = "silu"  # GPT-OSS: "clamped_swiglu" (alpha 1.702, limit 7, (up + 1)·glu)
 
 
 @dataclass(frozen=True)
@@ -41,14 +76,16 @@ class Family:
     norm_eps_attr: str
     decoder_layer: str
     attention: str
-    mlp: str
+    mlp: str | None  # the dense gated MLP (None: Mixtral and GPT-OSS have none outside the experts)
     causal_lm: str
     mlp_act_attr: str = "act_fn"
     mlp_fused_gate_up: bool = False  # Phi3: gate_up_proj → (gate, up) halves
     logit_softcap_attr: str | None = None  # config attribute read at call time (None: no softcap)
+    rope_half_cos: bool = False  # GPT-OSS: cos/sin hold half the rotary width, reused for both halves
+    experts: Experts | None = None  # mixture-of-experts families only
 
     def resolve(self, name: str) -> type:
-        """The class called `name` in this family's modeling module."""
+        """The class (or function) called `name` in this family's modeling module."""
         return getattr(importlib.import_module(self.module), name)
 
 
@@ -76,6 +113,21 @@ def _gemma_like(model_type: str, prefix: str, package: str, **changes) -> Family
     )
 
 
+def _qwen_experts(prefix: str, **changes) -> Experts:
+    fields = dict(
+        sparse_block=f"{prefix}SparseMoeBlock",
+        router=f"{prefix}TopKRouter",
+        experts=f"{prefix}Experts",
+        router_attr="gate",
+        num_experts_attr="num_experts",
+        expert_width_attr="moe_intermediate_size",
+        routing="softmax_topk",
+        renormalise="norm_topk_prob",
+    )
+    fields.update(changes)
+    return Experts(**fields)
+
+
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
@@ -88,5 +140,54 @@ FAMILIES: dict[str, Family] = {
         _gemma_like("gemma2", "Gemma2", "gemma2", logit_softcap_attr="final_logit_softcapping"),
         # Gemma 3 text-only checkpoints; the multimodal `gemma3` model type is not covered.
         _gemma_like("gemma3_text", "Gemma3", "gemma3", logit_softcap_attr="final_logit_softcapping"),
+        # Qwen3MoeMLP: the dense layers of mlp_only_layers / decoder_sparse_step.
+        _llama_like(
+            "qwen3_moe",
+            "Qwen3Moe",
+            experts=_qwen_experts("Qwen3Moe"),
+        ),
+        _llama_like(
+            "qwen2_moe",
+            "Qwen2Moe",
+            experts=_qwen_experts(
+                "Qwen2Moe",
+                shared_expert_attr="shared_expert",
+                shared_expert_gate_attr="shared_expert_gate",
+                shared_expert_width_attr="shared_expert_intermediate_size",
+            ),
+        ),
+        _llama_like(
+            "mixtral",
+            "Mixtral",
+            mlp=None,
+            experts=Experts(
+                sparse_block="MixtralSparseMoeBlock",
+                router="MixtralTopKRouter",
+                experts="MixtralExperts",
+                router_attr="gate",
+                num_experts_attr="num_local_experts",
+                expert_width_attr="intermediate_size",
+                routing="softmax_topk",
+                renormalise=True,
+            ),
+        ),
+        _llama_like(
+            "gpt_oss",
+            "GptOss",
+            mlp=None,
+            norm_casting="gemma",  # (w · x̂) in fp32, one cast: GptOssRMSNorm
+            rope_half_cos=True,
+            experts=Experts(
+                sparse_block="GptOssMLP",
+                router="GptOssTopKRouter",
+                experts="GptOssExperts",
+                router_attr="router",
+                num_experts_attr="num_local_experts",
+                expert_width_attr="intermediate_size",
+                routing="topk_softmax",
+                experts_biased=True,
+                expert_activation="clamped_swiglu",
+            ),
+        ),
     )
 }

@@ -56,6 +56,14 @@ class ModelSection(Section):
         "flex_attention on CUDA with packed rows (skips cross-sample blocks), else sdpa; the start log "
         "says which.",
     )
+    router_aux_loss: bool | None = Field(
+        None,
+        description="Mixture-of-experts models: add the router's load-balancing loss, times the config's "
+        "router_aux_loss_coef (change it with model.config_overrides), to the training loss, as transformers "
+        "does with output_router_logits; in SFT, weighted by each micro-batch's share of the window's label "
+        "tokens (docs/moe.md). Unset: on for a model with a router, whatever its config says; false: off. A dense "
+        "model refuses true.",
+    )
     trust_remote_code: bool = Field(False, description="Allow custom modeling code from the hub repository.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of the weights.")
     quantize: Literal["none", "4bit", "8bit"] = Field(

@@ -27,16 +27,41 @@ class ModelShape:
     embed_params: int  # the input embedding
     head_params: int  # the lm_head (0 when tied to the embedding)
     lora_params: int = 0  # trainable adapter parameters (0: full fine-tuning)
+    # Mixture of experts (0 for a dense model). `intermediate` is then the MLP width one token
+    # goes through: top_k routed experts' widths plus a shared expert's, which is what its
+    # activations are sized by (the memory plan's approximation: it counts a token's k expert
+    # rows as one row k times as wide, and the dense layers of mlp_only_layers, if any, alike).
+    experts: int = 0  # routed experts per MoE layer
+    top_k: int = 0  # experts per token
+    expert_params: int = 0  # the routed experts' weights, all layers (all of them in `params`)
 
     @property
     def trainable(self) -> int:
         return self.lora_params or self.params
 
     @property
+    def active_params(self) -> int:
+        """Parameters one token computes with: all but the routed experts it is not sent to
+        (each token uses top_k of the `experts` of every MoE layer)."""
+        if not self.experts:
+            return self.params
+        return self.params - self.expert_params * (self.experts - self.top_k) // self.experts
+
+    @property
+    def layer_active_params(self) -> int:
+        """One decoder layer's parameters a token computes with (its MoE layers taken as alike:
+        each holds 1/layers of the routed experts' weights)."""
+        if not self.experts:
+            return self.layer_params
+        inactive = self.expert_params // self.layers * (self.experts - self.top_k) // self.experts
+        return self.layer_params - inactive
+
+    @property
     def matmul_params(self) -> int:
-        """Parameters taking part in matmuls: all but the input embedding's lookup, with the
-        output projection counted once even when it shares the embedding's weight."""
-        return self.params if self.head_params == 0 else self.params - self.embed_params
+        """Active parameters taking part in matmuls: all but the input embedding's lookup and
+        the experts a token is not routed to, with the output projection counted once even when
+        it shares the embedding's weight."""
+        return self.active_params - (0 if self.head_params == 0 else self.embed_params)
 
     @property
     def attention_width(self) -> int:

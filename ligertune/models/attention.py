@@ -31,7 +31,10 @@ supports; the start log names the backend passed over and why.
 **The document mask** (`install_document_mask`). Left alone, transformers 5.17 finds packed rows
 from the position ids in every forward (``find_packed_sequence_indices``) and asks the host
 whether any row is packed at all, a device-to-host synchronisation in every step. We build the
-mask ourselves instead, in a forward pre-hook on the causal LM: the document index of every
+mask ourselves instead, in a forward pre-hook on the base model inside the causal LM (the causal
+LM's own forward never sees it: transformers' mixture-of-experts causal LMs hand their attention
+mask to the router's balancing loss as a [batch, seq] padding mask, and a packed row has no
+padding to leave out): the document index of every
 token is ``cumsum(position_id_t != position_id_{t-1} + 1)`` along the row (device work, no
 synchronisation), and transformers' own mask builders (``create_causal_mask`` and
 ``create_sliding_window_causal_mask``, with our same-document predicate as their
@@ -192,6 +195,7 @@ def install_document_mask(model: nn.Module) -> str:
     if problem is not None:
         return f"packed rows: transformers' own mask ({problem})"
     dtype = model.get_input_embeddings().weight.dtype
+    base = model.base_model  # the causal LM's inner model (module docstring: why not the causal LM)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         position_ids = kwargs.get("position_ids")
@@ -205,6 +209,6 @@ def install_document_mask(model: nn.Module) -> str:
         kwargs["attention_mask"] = packed_masks(module, position_ids, dtype)
         return args, kwargs
 
-    model.register_forward_pre_hook(hook, with_kwargs=True)
+    base.register_forward_pre_hook(hook, with_kwargs=True)
     implementation = model.config._attn_implementation
     return f"packed rows: {implementation} with a document mask built once per forward (no host sync)"

@@ -82,6 +82,7 @@ def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
                 revision=recipe.model.revision,
                 **placement,
                 **common,
+                **trainable_prequantized(config),
             )
         except OSError as e:
             raise load_problem(recipe, "weights", e) from None
@@ -95,6 +96,24 @@ def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
     model.config.use_cache = False
     _check_loss_kwargs(model)
     return model
+
+
+def trainable_prequantized(config) -> dict:
+    """``from_pretrained`` arguments that make a checkpoint shipped quantised trainable. GPT-OSS
+    ships its experts in MXFP4, which transformers 5.17 keeps quantised where its MXFP4 kernels
+    run (and then refuses to train) and dequantises elsewhere: ``dequantize=True`` always loads
+    them dequantised, in bf16, as transformers documents for fine-tuning."""
+    quantized = getattr(config, "quantization_config", None)
+    method = (
+        quantized.get("quant_method")
+        if isinstance(quantized, dict)
+        else getattr(quantized, "quant_method", None)
+    )
+    if getattr(method, "value", method) != "mxfp4":
+        return {}
+    from transformers import Mxfp4Config
+
+    return {"quantization_config": Mxfp4Config(dequantize=True)}
 
 
 def quantization_config(quantize: str):

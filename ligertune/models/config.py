@@ -67,8 +67,40 @@ def _unknown_keys_problem(unknown: list[str], known: list[str]) -> str:
     )
 
 
+# The config field with which a transformers mixture-of-experts causal LM adds its router's
+# load-balancing loss to the training loss (Mixtral, Qwen2/3-MoE, GPT-OSS, ...).
+ROUTER_LOSS_FIELD = "output_router_logits"
+
+
 def build_config(recipe: Recipe):
-    """The transformers config of the model to train, with the recipe's overrides applied."""
+    """The transformers config of the model to train, with the recipe's overrides and its
+    ``model.router_aux_loss`` applied."""
+    config = _overridden_config(recipe)
+    wanted = recipe.model.router_aux_loss
+    if not hasattr(config, ROUTER_LOSS_FIELD):
+        if wanted:
+            raise RecipeError(
+                [
+                    f"model.router_aux_loss: true needs a mixture-of-experts model with a router loss; "
+                    f"model_type {config.model_type!r} has none (remove the key)"
+                ]
+            )
+        return config
+    if ROUTER_LOSS_FIELD in recipe.model.config_overrides and wanted is not None:
+        raise RecipeError(
+            [
+                f"model.router_aux_loss and model.config_overrides.{ROUTER_LOSS_FIELD} both set the router loss; "
+                "keep model.router_aux_loss"
+            ]
+        )
+    if ROUTER_LOSS_FIELD not in recipe.model.config_overrides:
+        # Fine-tuning keeps the balancing pressure of pre-training unless the recipe turns it off;
+        # checkpoints ship with it off because it only matters while training.
+        setattr(config, ROUTER_LOSS_FIELD, wanted is not False)
+    return config
+
+
+def _overridden_config(recipe: Recipe):
     from transformers import AutoConfig
 
     overrides = dict(recipe.model.config_overrides)
@@ -97,8 +129,9 @@ def build_config(recipe: Recipe):
     except ValueError as e:
         raise RecipeError([f"model.config: {e}"]) from None
     # A config class stores any keyword it is given, so typos must be caught against the
-    # fields the class itself defines (plus those the mapping already set).
-    known = set(type(base)().to_dict()) | set(base.to_dict())
+    # fields the class itself defines (plus those the mapping already set),
+    # and the aliases of its attribute_map (Qwen3-MoE's num_experts is num_local_experts).
+    known = set(type(base)().to_dict()) | set(base.to_dict()) | set(type(base).attribute_map)
     unknown = sorted(set(overrides) - known)
     if unknown:
         raise RecipeError([_unknown_keys_problem(unknown, sorted(known))])

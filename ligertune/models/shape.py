@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ligertune.catalog.families import FAMILIES
 from ligertune.catalog.shape import ModelShape
 from ligertune.models.build import build_model, decoder_layers
 
@@ -31,19 +32,35 @@ def model_shape(model: nn.Module, lora_params: int = 0) -> ModelShape:
     head = model.get_output_embeddings()
     head_weight = head.weight if head is not None else embed
     unique = {id(p): p for p in model.parameters()}
+    intermediate, moe = config.intermediate_size, {}
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is not None and family.experts is not None:
+        e = family.experts
+        top_k = getattr(config, e.top_k_attr)
+        shared = getattr(config, e.shared_expert_width_attr) if e.shared_expert_width_attr else 0
+        # What one token goes through: k routed experts and the shared one (`ModelShape`).
+        intermediate = top_k * getattr(config, e.expert_width_attr) + shared
+        experts_class = family.resolve(e.experts)
+        routed = {id(p): p for m in model.modules() if isinstance(m, experts_class) for p in m.parameters()}
+        moe = dict(
+            experts=getattr(config, e.num_experts_attr),
+            top_k=top_k,
+            expert_params=sum(p.numel() for p in routed.values()),
+        )
     return ModelShape(
         layers=len(layers),
         hidden=config.hidden_size,
         heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
-        intermediate=config.intermediate_size,
+        intermediate=intermediate,
         vocab=embed.shape[0],
         params=sum(p.numel() for p in unique.values()),
         layer_params=sum(p.numel() for p in layers[0].parameters()),
         embed_params=embed.numel(),
         head_params=0 if head_weight is embed else head_weight.numel(),
         lora_params=lora_params,
+        **moe,
     )
 
 

@@ -5,16 +5,43 @@ cross entropy when that kernel is patched in, which never materialises the logit
 ``num_items_in_batch=N`` and return the micro-batch's summed token loss divided by N, the
 objective's contract. Labels are counted the way the loss counts them: shifted by one
 (position t predicts token t+1), without the ignore index −100.
+
+**Mixture of experts.** With the router's outputs on (``model.router_aux_loss``, on by default),
+the model's forward adds ``coef · aux`` (the load-balancing loss, `ligertune.patching.losses`)
+once per forward, as transformers does, to a loss that is a share of the window's. This
+objective reweights it to ``coef · aux · n / N`` (n: the micro-batch's label tokens, N: the
+window's over every rank), so that
+
+    loss = Σ token losses / N  +  coef · aux · n / N
+
+- one micro-batch on one process (n = N): exactly HF's loss and gradients;
+- over a window: the backward passes add up to the token-weighted mean of the micro-batches'
+  balancing losses, the weighting the token loss gets, where HF's per-forward term would weigh
+  M·R times more under M micro-batches on R ranks;
+- the same whether the forward is ours (the fused linear cross entropy) or HF's (kernels off);
+- in evaluation (eval mode, N = 1: plain sums) the term is taken out: the validation loss is the
+  token loss alone.
+
+It also adds three metrics (`router_metrics`): ``aux_loss``, the balancing loss before its
+coefficient, and the expert load, tokens per expert of each MoE layer as max / mean (1 is
+perfectly balanced, E/k the worst: every token on the same k experts), as ``expert_load_max``
+(the worst layer) and ``expert_load_mean`` (the layers' mean). Each is weighted by n / N, so the
+logged value is the window's token-weighted mean; everything stays on the device until the
+step's one host synchronisation.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from ligertune.catalog.families import FAMILIES
+from ligertune.catalog.objectives.base import ObjectiveOptions
 from ligertune.catalog.objectives.sft import SFTOptions
 from ligertune.data.formats import IGNORE_INDEX
-from ligertune.objectives.base import Batch, Objective, ObjectiveOutput
+from ligertune.objectives.base import Batch, Building, Objective, ObjectiveOutput
 
 MODEL_INPUTS = ("input_ids", "labels", "position_ids", "attention_mask")
 
@@ -24,12 +51,68 @@ def count_label_tokens(labels: torch.Tensor) -> int:
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
+@dataclass(frozen=True)
+class Router:
+    """What the objective needs of a mixture-of-experts policy: experts per token and the
+    balancing loss's coefficient."""
+
+    top_k: int
+    aux_loss_coef: float
+
+
+def router_of(model: nn.Module | None) -> Router | None:
+    """The `Router` of a mixture-of-experts model of the family table, or None (dense, unknown)."""
+    config = getattr(model, "config", None)
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is None or family.experts is None:
+        return None
+    experts = family.experts
+    return Router(getattr(config, experts.top_k_attr), getattr(config, experts.aux_loss_coef_attr))
+
+
+def router_metrics(output, top_k: int, attention_mask: torch.Tensor | None, share: torch.Tensor) -> dict:
+    """The balancing loss and the expert load of one forward (module docstring), times `share`.
+    Token counts use ``scatter_add`` into a fixed [experts] vector: ``bincount`` would read its
+    size back from the GPU."""
+    loads = []
+    for logits in output.router_logits:  # [tokens, experts] per MoE layer
+        # Every family's routing picks the k largest logits (a softmax first keeps the order).
+        chosen = logits.topk(top_k, dim=-1).indices.reshape(-1)
+        weight = torch.ones_like(chosen, dtype=torch.float32)
+        if attention_mask is not None:  # padding tokens route too, but are not the data's load
+            weight = attention_mask.reshape(-1, 1).expand(-1, top_k).reshape(-1).float()
+        counts = torch.zeros(logits.shape[-1], device=logits.device).scatter_add_(0, chosen, weight)
+        loads.append(counts.max() / counts.mean().clamp(min=1e-9))
+    loads = torch.stack(loads)
+    return {
+        "aux_loss": output.aux_loss.detach().float() * share,
+        "expert_load_max": loads.max() * share,
+        "expert_load_mean": loads.mean() * share,
+    }
+
+
 class CausalLM(Objective):
     options_model = SFTOptions
+
+    def __init__(self, router: Router | None = None):
+        self.router = router  # a mixture-of-experts policy's (module docstring)
+
+    @classmethod
+    def build(cls, options: ObjectiveOptions, building: Building) -> CausalLM:
+        return cls(router_of(building.policy))
 
     def count(self, batch: Batch) -> int:
         return count_label_tokens(batch["labels"])
 
     def __call__(self, model: nn.Module, batch: Batch, num_items: torch.Tensor) -> ObjectiveOutput:
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-        return ObjectiveOutput(model(**inputs, num_items_in_batch=num_items).loss)
+        output = model(**inputs, num_items_in_batch=num_items)
+        loss, metrics = output.loss, {}
+        aux = getattr(output, "aux_loss", None)
+        if self.router is not None and aux is not None:
+            share = (batch["labels"][:, 1:] != IGNORE_INDEX).sum() / num_items
+            weight = share if model.training else 0.0
+            loss = loss + self.router.aux_loss_coef * aux.to(loss.device) * (weight - 1)
+            if model.training:
+                metrics = router_metrics(output, self.router.top_k, batch.get("attention_mask"), share)
+        return ObjectiveOutput(loss, metrics)

@@ -80,6 +80,10 @@ def patch_model(model: nn.Module, kernels: KernelSelection = None) -> PatchRepor
             "recognised by module type can apply (rms_norm and swiglu/geglu after a probe of each module, "
             "layer_norm, cross_entropy); rope and fused_linear_cross_entropy need a family entry"
         )
+    if family is not None and family.experts is not None:
+        # No kernel of ours computes the routed experts yet: say what does.
+        implementation = getattr(config, "_experts_implementation", None) or "eager"
+        report.notes.append(f"experts: transformers' {implementation} ({family.experts.experts})")
     patcher = Patcher(model, family, report)
     for entry in KERNELS:
         if entry.name in selected:

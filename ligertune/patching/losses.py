@@ -13,19 +13,28 @@ not know it applies to any transformers model whose loss is HF's ``ForCausalLMLo
 Both keep HF's targets and normalisation: labels shifted by one (or ``shift_labels`` as given),
 ``ignore_index`` (−100) skipped, ``sum / num_items_in_batch`` when the caller passes that count
 (gradient accumulation), else the mean over non-ignored tokens.
+
+Mixture-of-experts families: with ``output_router_logits`` on (the forward's argument, else the
+config's), the fused forward adds the router's load-balancing loss exactly as HF's
+``*MoeForCausalLM`` does, with the modeling module's own ``load_balancing_loss_func``, times the
+config's ``router_aux_loss_coef``, once per forward (the SFT objective reweights it over an
+accumulation window: `ligertune.objectives.causal_lm`). No family of the table has a router
+z-loss in transformers 5.17.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.loss.loss_utils import ForCausalLMLoss
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
+from ligertune.catalog.families import Experts
 from ligertune.kernels import cross_entropy as ce_kernel
 from ligertune.kernels import fused_linear_cross_entropy as flce_kernel
 from ligertune.patching.common import MARK, Patcher, is_marked, partial_forward, patches, set_forward
@@ -163,6 +172,8 @@ def _fused_causal_lm_forward(
     logits_to_keep=0,
     *,
     _softcap_attr: str | None = None,
+    _experts: Experts | None = None,
+    _balancing: Callable | None = None,
     **kwargs,
 ):
     """The causal LM's forward with the fused linear cross entropy.
@@ -178,8 +189,19 @@ def _fused_causal_lm_forward(
     An lm_head that peft wrapped after patching (LoRA, modules_to_save) goes through the kernel
     too where `fused_head` can compute it exactly. Anything else (no labels, eval mode, an lm_head
     the kernel cannot compute) runs HF's own forward unchanged.
+
+    A mixture-of-experts family (``_experts``, its modeling module's load-balancing function
+    ``_balancing``) returns HF's ``MoeCausalLMOutputWithPast``; with ``output_router_logits`` on
+    it has ``aux_loss`` and ``router_logits``, and the loss includes ``coef · aux_loss`` as HF's
+    (not when ``LM_HEAD_LOSS_FN`` replaces the loss: that loss is the caller's own).
     """
     hf_forward = type(self).forward
+    router_outputs = False
+    if _experts is not None:
+        router_outputs = kwargs.get("output_router_logits")
+        if router_outputs is None:
+            router_outputs = getattr(self.config, _experts.output_router_logits_attr)
+        kwargs["output_router_logits"] = router_outputs
     loss_fn = kwargs.pop(LM_HEAD_LOSS_FN, None)
     fuse = labels is not None and (self.training or loss_fn is not None)
     head_loss = fused_head(self.lm_head)[0] if fuse else None
@@ -220,16 +242,69 @@ def _fused_causal_lm_forward(
         softcap=getattr(self.config, _softcap_attr) if _softcap_attr else None,
         **({"loss_fn": loss_fn} if loss_fn is not None else {}),
     )
-    output = CausalLMOutputWithPast(
-        loss=loss,
+    common = dict(
         logits=None,
         past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
+    if _experts is None:
+        output = CausalLMOutputWithPast(loss=loss, **common)
+    else:
+        aux_loss = None
+        if router_outputs:
+            config = self.config
+            aux_loss = _balancing(
+                outputs.router_logits,
+                getattr(config, _experts.num_experts_attr),
+                getattr(config, _experts.top_k_attr),
+                attention_mask,
+            )
+            if loss_fn is None:
+                loss = loss + getattr(config, _experts.aux_loss_coef_attr) * aux_loss.to(loss.device)
+        output = MoeCausalLMOutputWithPast(
+            loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits, **common
+        )
     if return_dict is None:
         return_dict = self.config.return_dict
     return output if return_dict else output.to_tuple()
+
+
+def _fused_moe_causal_lm_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    past_key_values=None,
+    inputs_embeds=None,
+    labels=None,
+    use_cache=None,
+    output_router_logits=None,
+    logits_to_keep=0,
+    *,
+    _softcap_attr: str | None = None,
+    _experts: Experts | None = None,
+    _balancing: Callable | None = None,
+    **kwargs,
+):
+    """`_fused_causal_lm_forward` under the signature of HF's MoE causal LMs, which take
+    ``output_router_logits`` (generate() and trainers inspect the signature)."""
+    return _fused_causal_lm_forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        past_key_values,
+        inputs_embeds,
+        labels,
+        use_cache,
+        logits_to_keep,
+        _softcap_attr=_softcap_attr,
+        _experts=_experts,
+        _balancing=_balancing,
+        output_router_logits=output_router_logits,
+        **kwargs,
+    )
 
 
 def _set_loss_function(module: nn.Module, loss_function) -> None:
@@ -264,7 +339,14 @@ def patch_fused_linear_cross_entropy(patcher: Patcher) -> None:
         return
     lms, failures = _causal_lms(patcher, kernel)
     targets = []
-    forward = partial_forward(_fused_causal_lm_forward, _softcap_attr=patcher.family.logit_softcap_attr)
+    family = patcher.family
+    experts = family.experts
+    forward = partial_forward(
+        _fused_causal_lm_forward if experts is None else _fused_moe_causal_lm_forward,
+        _softcap_attr=family.logit_softcap_attr,
+        _experts=experts,
+        _balancing=family.resolve("load_balancing_loss_func") if experts else None,
+    )
     for name, lm in lms:
         head = getattr(lm, "lm_head", None)
         if type(head) is nn.Linear or _lm_head_is_fused(head):

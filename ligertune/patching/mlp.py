@@ -7,6 +7,10 @@ kernel's backward overwrites gate and up with their gradients (they are private 
 of the MLP), saving one activation-sized buffer. For a family the table does not know, a module
 with ``gate_proj``/``up_proj``/``down_proj`` Linear layers is patched when a probe on random rows
 shows it computes exactly ``down(act(gate(x)) * up(x))`` (`probe_gated_mlp`).
+
+In a mixture-of-experts family the family's MLP class covers its dense layers and Qwen2-MoE's
+shared expert; the routed experts (3-D weights, one module for all of them) stay transformers'
+(`ligertune.patching.apply` notes which implementation). Mixtral and GPT-OSS have no dense MLP.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ def _gated_mlps(patcher: Patcher) -> tuple[dict[str, list], list[tuple[str, str]
     found: dict[str, list] = {"swiglu": [], "geglu": []}
     failures: list[tuple[str, str]] = []
     f = patcher.family
+    if f is not None and f.mlp is None:
+        return found, failures, "dense MLPs (this family's feed-forward layers are all routed experts)"
     if f is not None:
         body = _fused_gated_mlp_forward if f.mlp_fused_gate_up else _gated_mlp_forward
         for name, module in patcher.family_instances(f.mlp):

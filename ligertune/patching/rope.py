@@ -9,8 +9,13 @@ kernel. No attention code is copied, the modeling module is untouched, and every
 forward uses resolves as before (the namespace is copied when a class is first patched; later
 rebinding of module globals is not seen). The kernel takes HF's signature and rotates only
 ``cos.shape[-1]`` channels, which covers Phi3's partial rotary; Gemma3's local/global layers
-pass their own cos/sin, so nothing is needed. This needs the family's attention class, so a
-family missing from the table gets no RoPE kernel.
+pass their own cos/sin, so nothing is needed. GPT-OSS's rotary module returns cos/sin of half
+the rotary width and its ``apply_rotary_pos_emb`` uses each value for both halves
+(``[x₁·cos − x₂·sin, x₂·cos + x₁·sin]``): the same rotation as the rotate-half layout with cos/sin
+repeated, so for a family with ``rope_half_cos`` the scope binds `apply_rotary_pos_emb_half_cos`,
+which repeats them (a [S, D/2] copy per layer, against the [B, H, S, D] q and k) and calls the
+kernel. Its attention sinks are untouched (attention stays HF's). This needs the family's
+attention class, so a family missing from the table gets no RoPE kernel.
 
 The copy is the namespace of a module of its own, registered in ``sys.modules`` under
 ``ligertune.patching.rope.scopes.<modeling module>``, because torch.compile finds an inlined
@@ -27,6 +32,8 @@ import sys
 import types
 from collections.abc import Callable
 
+import torch
+
 from ligertune.kernels import rope as rope_kernel
 from ligertune.patching.common import Patcher, patches
 
@@ -35,7 +42,15 @@ ROPE_NAME = "apply_rotary_pos_emb"
 _ROPE_FORWARDS: dict[Callable, Callable] = {}
 
 
-def _kernel_scope(hf_globals: dict) -> dict:
+def apply_rotary_pos_emb_half_cos(q, k, cos, sin, unsqueeze_dim=1, *, in_place=False):
+    """GPT-OSS's ``apply_rotary_pos_emb`` (cos/sin [B, S, R/2], each value for both halves) on
+    our kernel, which takes the rotate-half layout's [B, S, R]."""
+    return rope_kernel.apply_rotary_pos_emb(
+        q, k, torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1), unsqueeze_dim, in_place=in_place
+    )
+
+
+def _kernel_scope(hf_globals: dict, half_cos: bool) -> dict:
     """The namespace of the module ``scopes.<HF module>``: a copy of ``hf_globals`` with our
     ``apply_rotary_pos_emb``, created (and registered in ``sys.modules``) on first use."""
     name = f"{__name__}.scopes.{hf_globals['__name__']}"
@@ -45,12 +60,13 @@ def _kernel_scope(hf_globals: dict) -> dict:
         vars(module).update(hf_globals)
         # Its own identity: neither importlib nor torch.compile may take it for the HF module.
         module.__name__, module.__spec__ = name, None
-        setattr(module, ROPE_NAME, rope_kernel.apply_rotary_pos_emb)
+        rope = apply_rotary_pos_emb_half_cos if half_cos else rope_kernel.apply_rotary_pos_emb
+        setattr(module, ROPE_NAME, rope)
         sys.modules[name] = module
     return vars(module)
 
 
-def rope_forward_for(hf_forward: Callable) -> Callable | str:
+def rope_forward_for(hf_forward: Callable, half_cos: bool = False) -> Callable | str:
     """The attention forward that calls our RoPE kernel, or the reason there cannot be one."""
     if not isinstance(hf_forward, types.FunctionType) or hasattr(hf_forward, "__wrapped__"):
         return f"{hf_forward.__qualname__} is wrapped or not a plain function; its globals cannot be rebound"
@@ -58,7 +74,7 @@ def rope_forward_for(hf_forward: Callable) -> Callable | str:
         return f"{hf_forward.__qualname__} does not call {ROPE_NAME} by name"
     forward = _ROPE_FORWARDS.get(hf_forward)
     if forward is None:
-        scope = _kernel_scope(hf_forward.__globals__)
+        scope = _kernel_scope(hf_forward.__globals__, half_cos)
         forward = types.FunctionType(
             hf_forward.__code__, scope, hf_forward.__name__, hf_forward.__defaults__, hf_forward.__closure__
         )
@@ -77,7 +93,7 @@ def patch_rope(patcher: Patcher) -> None:
         return
     targets, failures = [], []
     for name, module in patcher.family_instances(family.attention):
-        forward = rope_forward_for(type(module).forward)
+        forward = rope_forward_for(type(module).forward, family.rope_half_cos)
         if isinstance(forward, str):
             failures.append((name, forward))
         else:

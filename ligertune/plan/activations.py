@@ -23,6 +23,10 @@ layer's input. The listing is checked against a measurement on CPU (``tests/test
 ``saved_tensors_hooks`` summing the unique storages of a tiny model's forward, with and without
 sub-module checkpointing).
 
+A mixture of experts (`ModelShape.experts`) sizes the MLP rows by what one token goes through
+(k expert widths and a shared expert's) and adds the experts' and the router's own tensors: an
+estimate, not checked against a measurement (docs/moe.md).
+
 The loss head's chunking is the kernels' own (`ligertune.kernels.chunking`, plain arithmetic),
 so the plan and the kernels cannot drift.
 """
@@ -81,6 +85,17 @@ def layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
     if not ({"swiglu", "geglu"} & k):
         saved.append(Saved("mlp: act(gate)", i, ea, "mlp"))
     saved.append(Saved("mlp: act(gate)·up (down_proj's input)", i, ea, "mlp"))
+    if shape.experts:
+        # transformers' grouped_mm experts (integrations/moe.py) run on each token's k copies,
+        # gathered and sorted by expert (the up projection's saved input), and keep the experts'
+        # outputs for the routing weights' gradient; the router keeps its fp32 probabilities.
+        # The gate/up rows above are `intermediate` = k expert widths (+ a shared expert) wide.
+        k, h = shape.top_k, shape.hidden
+        saved += [
+            Saved("experts: each token's k input copies", k * h, ea, "mlp"),
+            Saved("experts: outputs before the routing weights", k * h, ea, "mlp"),
+            Saved("router: probabilities", shape.experts, 4, "mlp"),
+        ]
     return saved
 
 

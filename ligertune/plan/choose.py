@@ -64,7 +64,8 @@ def candidates(
 
 
 def module_params(shape: ModelShape, module: str) -> int:
-    """Weights of a decoder layer's sub-module: attention's four projections, or the gated MLP's three."""
+    """Weights of a decoder layer's sub-module: attention's four projections, or the gated MLP's
+    three (a mixture of experts: those one token computes with, `ModelShape.intermediate`)."""
     if module == "attention":
         return shape.hidden * 2 * (shape.heads + shape.kv_heads) * shape.head_dim
     return 3 * shape.hidden * shape.intermediate
@@ -88,7 +89,7 @@ def offload_slowdown(shape: ModelShape, s: Setting) -> float:
     more slowly than their work, take ~3.3× as long. What a sub-module checkpoint recomputes is not offloaded (only its
     input is saved)."""
     saved = sum(t.per_token * t.bytes_per_element for t in layer_saved(shape, s) if t.module not in s.modules)
-    compute = 6 * shape.layer_params / ACHIEVED_FLOPS
+    compute = 6 * shape.layer_active_params / ACHIEVED_FLOPS
     copy = saved / PCIE_BYTES_PER_S
     return (max(compute / 3, copy) + max(2 * compute / 3, copy)) / compute - 1
 
@@ -102,7 +103,9 @@ def relative_speed(shape: ModelShape, s: Setting) -> float:
     A larger micro-batch amortises the per-step costs (optimizer, gathers, launches), modelled
     as a fixed cost equal to 2048 tokens' work."""
     checkpointed = checkpointed_layers(shape.layers, s) / shape.layers
-    share = 1.0 if s.whole_layers else sum(module_params(shape, m) for m in s.modules) / shape.layer_params
+    share = (
+        1.0 if s.whole_layers else sum(module_params(shape, m) for m in s.modules) / shape.layer_active_params
+    )
     recompute = checkpointed * share * 2 / 6
     offloaded = 1 - checkpointed if s.whole_layers else 1.0
     offload = offloaded * offload_slowdown(shape, s) if s.offload else 0.0

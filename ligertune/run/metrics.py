@@ -17,7 +17,8 @@ MFU (model FLOPs utilisation)
 
     where N is the number of parameters that take part in matmuls (all parameters except the
     input embedding table, whose lookup is not a matmul; the output projection counts even
-    when its weight is tied to the embedding), L the number of layers, d_attn = heads ×
+    when its weight is tied to the embedding; in a mixture of experts only the active ones:
+    each token's top-k routed experts of each MoE layer, not all of them), L the number of layers, d_attn = heads ×
     head_dim and S the sequence length. 6·N is 2 FLOPs per multiply-add times 3 (forward,
     and backward for activations and weights). The attention term is the same 2·3 factor on
     the two S×S products (QKᵀ and PV) per layer: 2·3·2·d_attn·S. A causal kernel skips the

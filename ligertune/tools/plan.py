@@ -100,8 +100,13 @@ def plan(recipe: Recipe, world_size: int, budget: int, console: Console, target:
         if base.frozen
         else ""
     )
+    active = (
+        f", {count_label(shape.active_params)} active ({shape.top_k} of {shape.experts} experts per token)"
+        if shape.experts
+        else ""
+    )
     console.print(
-        f"{recipe.name}: {count_label(shape.params)} parameters ({shape.layers} layers, hidden {shape.hidden}, "
+        f"{recipe.name}: {count_label(shape.params)} parameters{active} ({shape.layers} layers, hidden {shape.hidden}, "
         f"vocab {shape.vocab}){frozen}, {base.precision}, {base.parallel.strategy} × {world_size}, rows of "
         f"{base.seq_len} tokens{pairs}, kernels: {', '.join(sorted(base.kernels)) or 'none'}; target "
         f"{gib(budget)} per GPU{target}",

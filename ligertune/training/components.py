@@ -81,8 +81,10 @@ def build(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> Compo
     if any(p.numel() == 0 for p in model.parameters()):
         counted = build_model(recipe, runtime.device, empty=True)
     shape = model_shape(counted)
+    active = f", {count_label(shape.active_params)} active" if shape.experts else ""
     log(
-        f"built {type(model).__name__} ({count_label(shape.params)} parameters) in {time.perf_counter() - started:.1f} s"
+        f"built {type(model).__name__} ({count_label(shape.params)} parameters{active}) in "
+        f"{time.perf_counter() - started:.1f} s"
     )
     hf_model, reports = apply_transforms(model, recipe)
     started = time.perf_counter()

@@ -1,0 +1,370 @@
+"""Mixture-of-experts families: patching and the router's balancing loss on tiny random models.
+
+The reference is the same model unpatched (Hugging Face's modules and its own
+``load_balancing_loss_func`` in ``*MoeForCausalLM.forward``), fp32, Triton kernels under the CPU
+interpreter. The balancing loss is on (``output_router_logits``) with a coefficient of 0.5, so
+that dropping it or scaling it wrongly moves the loss far beyond the 1e-5 tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+
+import pytest
+import torch
+import transformers
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
+
+from ligertune.catalog.families import FAMILIES as FAMILY_TABLE
+from ligertune.catalog.families import Experts
+from ligertune.catalog.kernels import KERNEL_NAMES
+from ligertune.config import load_recipe
+from ligertune.config.rules import model_problems
+from ligertune.errors import RecipeError
+from ligertune.models.build import build_model
+from ligertune.models.config import build_config
+from ligertune.models.shape import recipe_shape
+from ligertune.objectives.causal_lm import CausalLM, Router
+from ligertune.patching import patch_model
+from ligertune.patching.mlp import activation_of
+from ligertune.plan.activations import layer_saved
+from ligertune.plan.setting import Setting
+from ligertune.tools.check import FP32_TOL, parity_check
+from ligertune.training import train
+from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT
+from tests.kernels.helpers import rel_err
+from tests.test_patching import (  # noqa: F401 - one_torch_thread: the module's autouse fixture
+    CURVE_TOL,
+    LAYERS,
+    STEPS,
+    TINY,
+    VOCAB,
+    grads,
+    one_torch_thread,
+    random_batch,
+)
+from tests.test_patching import train as train_steps
+
+COEF = 0.5
+MOE = dict(output_router_logits=True, router_aux_loss_coef=COEF, num_experts_per_tok=2)
+# Per family: extra config, RMSNorms per layer, SwiGLU modules in the model (dense layers and
+# Qwen2-MoE's shared experts; the routed experts stay transformers').
+FAMILIES = {
+    # Layer 1 dense (mlp_only_layers): Qwen3MoeMLP gets the SwiGLU kernel; + q_norm, k_norm.
+    "qwen3_moe": (
+        dict(num_experts=4, moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1]),
+        4,
+        1,
+    ),
+    # A shared expert (SwiGLU) beside the routed ones in each layer; no renormalisation.
+    "qwen2_moe": (
+        dict(
+            num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, norm_topk_prob=False
+        ),
+        2,
+        LAYERS,
+    ),
+    "mixtral": (dict(num_local_experts=4, intermediate_size=32), 2, 0),
+    # Half-width cos/sin RoPE, attention sinks, top-k-then-softmax routing, clamped SwiGLU experts.
+    "gpt_oss": (
+        dict(num_local_experts=4, intermediate_size=32, layer_types=["sliding_attention", "full_attention"]),
+        2,
+        0,
+    ),
+}
+
+
+def tiny_moe(model_type: str, **changes) -> nn.Module:
+    extra = FAMILIES[model_type][0]
+    config = AutoConfig.for_model(model_type, **{**TINY, **MOE, **extra, **changes})
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1 and "sinks" not in name:  # norm weights and biases: away from ones/zeros
+                p.add_(0.2 * torch.randn_like(p))
+    return model
+
+
+def route(experts: Experts, config, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert indices) of each token as the family record says it routes."""
+    k = getattr(config, experts.top_k_attr)
+    if experts.routing == "topk_softmax":
+        top, chosen = logits.topk(k, dim=-1)
+        return top.softmax(-1), chosen
+    weights, chosen = logits.float().softmax(-1).topk(k, dim=-1)
+    renormalise = experts.renormalise
+    if isinstance(renormalise, str):
+        renormalise = getattr(config, renormalise)
+    return (weights / weights.sum(-1, keepdim=True) if renormalise else weights), chosen
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_experts_record_describes_the_hf_model(model_type):
+    """The family table's experts record against the model transformers builds: its classes and
+    attributes, and its routing semantics against the router's own output on random rows."""
+    model = tiny_moe(model_type)
+    family = FAMILY_TABLE[model_type]
+    experts = family.experts
+    blocks = [m for m in model.modules() if isinstance(m, family.resolve(experts.sparse_block))]
+    assert blocks
+    rows = torch.randn(16, model.config.hidden_size)
+    for block in blocks:
+        router = getattr(block, experts.router_attr)
+        assert isinstance(router, family.resolve(experts.router))
+        assert isinstance(block.experts, family.resolve(experts.experts))
+        assert block.experts.gate_up_proj.shape[0] == getattr(model.config, experts.num_experts_attr)
+        assert hasattr(block.experts, "gate_up_proj_bias") == experts.experts_biased
+        if experts.expert_activation == "silu":
+            assert activation_of(block.experts.act_fn) == "silu"
+        else:  # GPT-OSS's clamped SwiGLU
+            assert (block.experts.alpha, block.experts.limit) == (1.702, 7.0)
+        if experts.shared_expert_attr:
+            assert isinstance(getattr(block, experts.shared_expert_attr), family.resolve(family.mlp))
+            assert isinstance(getattr(block, experts.shared_expert_gate_attr), nn.Linear)
+        with torch.no_grad():
+            logits, weights, chosen = router(rows)
+            ours_weights, ours_chosen = route(experts, model.config, logits)
+        assert torch.equal(chosen, ours_chosen)
+        torch.testing.assert_close(weights.float(), ours_weights.float())
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_moe_family_parity(model_type):
+    """Every dense kernel that applies is patched; the loss (token loss + balancing loss),
+    every gradient and the eval logits match HF's unpatched model."""
+    _, norms, swiglu = FAMILIES[model_type]
+    model = tiny_moe(model_type)
+    result = parity_check(model, random_batch(), "all")
+    expected = dict.fromkeys(KERNEL_NAMES, 0)
+    expected.update(rms_norm=LAYERS * norms + 1, rope=LAYERS, swiglu=swiglu, fused_linear_cross_entropy=1)
+    assert result.report.patched == expected, str(result.report)
+    assert any(n.startswith("experts: transformers' grouped_mm") for n in result.report.notes), str(
+        result.report
+    )
+    assert result.ok, str(result)
+    router = [
+        c
+        for c in result.checks
+        if c.name.startswith("grad ") and (".gate.weight" in c.name or ".router." in c.name)
+    ]
+    assert router, "the routers must be trained and checked"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])  # both routings; ~13 s each
+def test_moe_family_training_curve(model_type):
+    """20 AdamW steps with the balancing loss on, normalised by num_items_in_batch on every other
+    step; one layer (Qwen3-MoE: sparse) and one sequence per batch, as the dense families' curve."""
+    one_layer = {"num_hidden_layers": 1}
+    if "layer_types" in FAMILIES[model_type][0]:
+        one_layer["layer_types"] = ["full_attention"]
+    if model_type == "qwen3_moe":
+        one_layer["mlp_only_layers"] = []
+    torch.manual_seed(0)  # routing near-ties: see test_moe_family_parity_bf16
+    hf = tiny_moe(model_type, **one_layer)
+    ours = copy.deepcopy(hf)
+    patch_model(ours, "all")
+    distinct = [random_batch(num_items=i % 2 == 1, batch=1) for i in range(4)]
+    batches = [distinct[i % 4] for i in range(STEPS)]
+    hf_losses, our_losses = train_steps(hf, batches), train_steps(ours, batches)
+    for step, (a, b) in enumerate(zip(our_losses, hf_losses, strict=True)):
+        assert abs(a - b) <= CURVE_TOL * abs(b), f"step {step}: patched loss {a} vs HF {b}"
+    assert hf_losses[-1] < 0.5 * hf_losses[0], "the curve must move for the comparison to mean something"
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])  # GPT-OSS: its norm's fp32 weight product
+def test_moe_family_parity_bf16(model_type):
+    """Seeded: top-k routing is discontinuous, and in 16-bit a near-tie between two experts'
+    scores can go one way in the patched run and the other in the fp32 one (measured on tiny
+    GPT-OSS: 1 to 2 batches in 24), which no tolerance on rounding covers."""
+    torch.manual_seed(0)
+    result = parity_check(tiny_moe(model_type), random_batch(), "all", dtype=torch.bfloat16)
+    assert result.ok, str(result)
+
+
+def test_fused_forward_adds_hfs_balancing_term_per_forward():
+    """Normalised by a count N larger than the micro-batch's own label tokens (accumulation), the
+    fused forward's loss is still HF's: token sum / N + coef · aux, loss and every gradient."""
+    hf = tiny_moe("qwen3_moe")
+    ours = copy.deepcopy(hf)
+    patch_model(ours, "all")
+    hf.train()
+    ours.train()
+    batch = random_batch(num_items=True)
+    ref, out = hf(**batch), ours(**batch)
+    assert out.logits is None and out.aux_loss is not None
+    assert rel_err(out.aux_loss, ref.aux_loss) <= FP32_TOL
+    assert rel_err(out.loss, ref.loss) <= FP32_TOL
+    ref.loss.backward()
+    out.loss.backward()
+    for name, g in grads(hf).items():
+        assert rel_err(grads(ours)[name], g) <= FP32_TOL, name
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["fused", "hf"])
+def test_sft_weights_the_balancing_loss_by_token_share(kernels):
+    """Two micro-batches of one window: the SFT objective's loss is Σ token losses / N +
+    coef · aux · n / N per micro-batch, kernels on or off. The reference is independent of the
+    code under test: a float64 cross entropy over HF's own logits plus HF's own aux_loss."""
+    hf = tiny_moe("qwen3_moe")
+    model = copy.deepcopy(hf)
+    if kernels:
+        patch_model(model, "all")
+    objective = CausalLM(Router(top_k=2, aux_loss_coef=COEF))
+    batches = [random_batch(), random_batch(batch=1)]
+    counts = [int((b["labels"][:, 1:] != -100).sum()) for b in batches]
+    n = torch.tensor(sum(counts))
+    hf.train()
+    model.train()
+    for batch, count in zip(batches, counts, strict=True):
+        ref = hf(input_ids=batch["input_ids"])  # logits and the balancing loss, no loss of HF's
+        logits = ref.logits[:, :-1].reshape(-1, VOCAB).double()
+        tokens = nn.functional.cross_entropy(logits, batch["labels"][:, 1:].reshape(-1), reduction="sum")
+        expected = tokens / n + COEF * ref.aux_loss.double() * count / n
+        expected.backward()
+        out = objective(model, batch, n)
+        assert rel_err(out.loss, expected) <= FP32_TOL
+        out.loss.backward()
+        assert set(out.metrics) == {"aux_loss", "expert_load_max", "expert_load_mean"}
+    for name, g in grads(hf).items():
+        assert rel_err(grads(model)[name], g) <= FP32_TOL, name
+    model.eval()  # validation: the token loss alone
+    with torch.no_grad():
+        batch = batches[0]
+        ref = hf.eval()(input_ids=batch["input_ids"]).logits[:, :-1].reshape(-1, VOCAB).double()
+        tokens = nn.functional.cross_entropy(ref, batch["labels"][:, 1:].reshape(-1), reduction="sum")
+        assert rel_err(objective(model, batch, torch.tensor(1)).loss, tokens) <= FP32_TOL
+
+
+def test_router_outputs_off_means_no_balancing_loss():
+    hf = tiny_moe("mixtral", output_router_logits=False)
+    ours = copy.deepcopy(hf)
+    patch_model(ours, "all")
+    batch = random_batch()
+    hf.train()
+    ours.train()
+    ref, out = hf(**batch), ours(**batch)
+    assert ref.aux_loss is None and out.aux_loss is None
+    assert rel_err(out.loss, ref.loss) <= FP32_TOL
+    on = ours(**batch, output_router_logits=True)  # the forward's argument wins over the config
+    assert (
+        on.aux_loss is not None and rel_err(on.loss, hf(**batch, output_router_logits=True).loss) <= FP32_TOL
+    )
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_patched_moe_forward_keeps_hf_signature(model_type):
+    model = tiny_moe(model_type)
+    hf_params = list(inspect.signature(type(model).forward).parameters)[1:]
+    patch_model(model, "all")
+    assert list(inspect.signature(model.forward).parameters) == hf_params
+
+
+# --------------------------------------------------------------------------------------------
+# The recipe key, the plan's active parameters, a run's metrics
+# --------------------------------------------------------------------------------------------
+
+E, K, WIDTH, H = 4, 2, 32, 64
+MOE_CONFIG = (
+    "model.config={model_type: qwen3_moe, vocab_size: 2048, hidden_size: 64, intermediate_size: 128, "
+    f"moe_intermediate_size: {WIDTH}, num_experts: {E}, num_experts_per_tok: {K}, num_hidden_layers: 2, "
+    "num_attention_heads: 4, num_key_value_heads: 2, head_dim: 16, tie_word_embeddings: false}"
+)
+
+
+def moe_recipe(tmp_path, *overrides):
+    # 64 tokens: the bundled Alpaca prompts fill 32.
+    return load_recipe(QUICKSTART, [MOE_CONFIG, "data.max_seq_len=64", f"output_dir={tmp_path}", *overrides])
+
+
+def test_router_aux_loss_key(tmp_path):
+    assert build_config(moe_recipe(tmp_path)).output_router_logits is True  # on by default
+    assert build_config(moe_recipe(tmp_path, "model.router_aux_loss=false")).output_router_logits is False
+    aliased = moe_recipe(tmp_path, "model.config_overrides={num_experts: 8}")  # attribute_map's alias
+    assert build_config(aliased).num_local_experts == 8
+    kept = moe_recipe(tmp_path, "model.config_overrides={output_router_logits: false}")
+    assert build_config(kept).output_router_logits is False
+    both = moe_recipe(
+        tmp_path, "model.router_aux_loss=true", "model.config_overrides={output_router_logits: true}"
+    )
+    with pytest.raises(
+        RecipeError, match="model.router_aux_loss and model.config_overrides.output_router_logits"
+    ):
+        build_config(both)
+    # validate names the key for a dense model
+    problems = model_problems(load_recipe(QUICKSTART, ["model.router_aux_loss=true"]))
+    assert any(p.startswith("model.router_aux_loss: true needs a mixture-of-experts model") for p in problems)
+
+
+def test_plan_counts_active_parameters():
+    """Qwen3-30B-A3B's published sizes: 30.5B parameters, 3.3B active; each token computes
+    with 8 of the 128 experts of its 48 layers (3 matrices of 2048 × 768 each)."""
+    recipe = load_recipe(ROOT / "recipes" / "qwen3-30b-a3b-alpaca-bench.yaml")
+    shape = recipe_shape(recipe)
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert shape.expert_params == experts and (shape.experts, shape.top_k) == (128, 8)
+    assert shape.active_params == shape.params - experts * 120 // 128
+    assert round(shape.params / 1e9, 1) == 30.5 and round(shape.active_params / 1e9, 1) == 3.4
+    dense_flops = 6 * (shape.params - shape.embed_params)  # what MFU counted before
+    assert shape.flops_per_token(0) == 6 * (shape.active_params - shape.embed_params) < dense_flops / 7
+    assert shape.intermediate == 8 * 768  # the routed rows one token's activations are sized by
+    assert shape.layer_active_params == shape.layer_params - 128 * 3 * 2048 * 768 * 120 // 128
+    experts_saved = {
+        t.name: t.per_token for t in layer_saved(shape, Setting(micro_batch_size=1, seq_len=2048))
+    }
+    assert experts_saved["experts: each token's k input copies"] == 8 * 2048
+    assert experts_saved["mlp: up"] == 8 * 768
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_run_logs_router_metrics(tmp_path, lora):
+    """One step (two micro-batches) of a tiny Qwen3-MoE with every kernel, fully trained or with
+    LoRA on its linear layers: metrics.jsonl has the balancing loss and the expert load, within
+    their ranges."""
+    overrides = [*PLAIN_RUN, "kernels=all", "training.max_steps=1", "training.micro_batch_size=2"]
+    overrides += ["training.gradient_accumulation_steps=2", "data.validation_fraction=0.0"]
+    if lora:
+        overrides.append("lora={r: 4, alpha: 8, target_modules: all-linear}")
+    recipe = moe_recipe(tmp_path, *overrides)
+    train(recipe)
+    records = [json.loads(line) for line in (recipe.run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if r["event"] == "train"]
+    assert len(steps) == 1
+    for r in steps:
+        # E·Σ fᵢ·Pᵢ with fᵢ ≤ 1 (a token picks an expert once) and Σ Pᵢ = 1: at most E (k if balanced).
+        assert 0 < r["aux_loss"] <= E
+        assert 1 <= r["expert_load_mean"] <= r["expert_load_max"] <= E / K
+
+
+def test_mxfp4_checkpoint_loads_dequantised(tmp_path, monkeypatch):
+    """A GPT-OSS folder whose config says MXFP4 (as openai/gpt-oss-20b's does) is loaded with
+    ``Mxfp4Config(dequantize=True)``: plain floating experts, equal to the saved weights, trainable."""
+    saved = tiny_moe("gpt_oss", num_hidden_layers=1, layer_types=["full_attention"])
+    saved.save_pretrained(tmp_path / "model")
+    config_file = tmp_path / "model" / "config.json"
+    config = json.loads(config_file.read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    config_file.write_text(json.dumps(config))
+    seen = []
+    real = transformers.AutoModelForCausalLM.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("quantization_config"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy)
+    recipe = load_recipe(
+        QUICKSTART,
+        ["model.config=null", f"model.name_or_path={tmp_path / 'model'}", f"output_dir={tmp_path}"],
+    )
+    model = build_model(recipe, torch.device("cpu"))
+    assert isinstance(seen[0], Mxfp4Config) and seen[0].dequantize
+    experts = model.model.layers[0].mlp.experts
+    assert type(experts.gate_up_proj) is nn.Parameter and experts.gate_up_proj.is_floating_point()
+    torch.testing.assert_close(experts.gate_up_proj.float(), saved.model.layers[0].mlp.experts.gate_up_proj)
+    model.train()
+    model(**random_batch()).loss.backward()
+    assert experts.gate_up_proj.grad is not None
