@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ligertune.errors import RecipeError
+from ligertune.models.build import vision_parts
 from ligertune.patching.common import MARK
 from ligertune.patching.losses import fused_head
 
@@ -116,6 +117,13 @@ def apply_lora(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
         for param in model.parameters():
             if param.dtype == torch.float32 and dtype != torch.float32:
                 param.data = param.data.to(dtype)
+    # A vision-language model's adapters go on its language model only: the names peft matches
+    # (q_proj, ...) exist in the vision tower too, and are left out there.
+    parts = vision_parts(model)
+    exclude = None
+    if parts is not None:
+        vision = {id(m) for part in ("vision", "projector") for m in parts[part].modules()}
+        exclude = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and id(m) in vision]
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -126,6 +134,7 @@ def apply_lora(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
         use_rslora=lora.use_rslora,
         bias="none",
         task_type="CAUSAL_LM",
+        exclude_modules=exclude,
     )
     adapted = get_peft_model(model, config, autocast_adapter_dtype=False)
     return adapted, _report(adapted, recipe, targets)

@@ -22,13 +22,45 @@ torch-free catalog); `resolve` imports the modeling module on demand.
 
 A family with other parts keeps to one row: a mixture-of-experts family adds a record of its
 expert and router classes (and how it routes), a vision-language family one of its vision tower
-and projector, each a field of `Family` that is None for the dense text families.
+and projector (`VisionTower`), each a field of `Family` that is None for the dense text families.
+For a vision-language family the text fields above name the language model's classes (its
+decoder layer, attention, MLP) and ``causal_lm`` the ``...ForConditionalGeneration`` class that
+holds the lm_head; the vision tower's own RMSNorm is the same class as the language model's
+where the modeling file shares it (Qwen2.5-VL), so ``rms_norm`` patches both.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class VisionTower:
+    """The vision side of a vision-language family: what the kernels, freezing, LoRA and the data
+    pipeline need to know of it.
+
+    ``tower`` and ``projector`` are attribute paths from the ``...ForConditionalGeneration``
+    model (the projector may sit inside the tower: Qwen2.5-VL's merger is ``model.visual.merger``;
+    freezing the tower leaves it alone). ``block`` is the vision transformer block (a unit of
+    sharding), ``mlp`` its gated MLP class when it has one (patched like the language model's).
+    ``image_processor`` is the PIL image processor class, by dotted path: transformers 5.17's
+    Auto image and processor classes need torchvision, which a CPU install lacks, and the PIL
+    class computes the same pixels. ``image_token`` is the placeholder the chat template writes
+    once per image and the processor repeats once per merged patch; ``vision_tokens`` are the
+    tokens around it, never trained on."""
+
+    tower: str
+    projector: str
+    language_model: str
+    block: str
+    mlp: str | None
+    image_processor: str
+    image_token: str
+    vision_tokens: tuple[str, ...]
+    # The vision tower's rotary embedding is 2-D (per patch row and column), applied by its own
+    # function; our RoPE kernel is not patched there.
+    rope_note: str = ""
 
 
 @dataclass(frozen=True)
@@ -46,6 +78,7 @@ class Family:
     mlp_act_attr: str = "act_fn"
     mlp_fused_gate_up: bool = False  # Phi3: gate_up_proj → (gate, up) halves
     logit_softcap_attr: str | None = None  # config attribute read at call time (None: no softcap)
+    vision: VisionTower | None = None  # a vision-language family's vision tower and projector
 
     def resolve(self, name: str) -> type:
         """The class called `name` in this family's modeling module."""
@@ -88,5 +121,26 @@ FAMILIES: dict[str, Family] = {
         _gemma_like("gemma2", "Gemma2", "gemma2", logit_softcap_attr="final_logit_softcapping"),
         # Gemma 3 text-only checkpoints; the multimodal `gemma3` model type is not covered.
         _gemma_like("gemma3_text", "Gemma3", "gemma3", logit_softcap_attr="final_logit_softcapping"),
+        # Qwen2.5-VL: the language model is Qwen2's (its MLP class is Qwen2MLP in this modeling
+        # file); its multimodal 3-D RoPE is computed in the rotary module (mrope_section picks
+        # the temporal, height or width frequency per channel of cos/sin), and the attention then
+        # calls a plain rotate-half `apply_rotary_pos_emb` on those cos/sin: our kernel's math.
+        _llama_like(
+            "qwen2_5_vl",
+            "Qwen2_5_VL",
+            mlp="Qwen2MLP",
+            causal_lm="Qwen2_5_VLForConditionalGeneration",
+            vision=VisionTower(
+                tower="model.visual",
+                projector="model.visual.merger",
+                language_model="model.language_model",
+                block="Qwen2_5_VLVisionBlock",
+                mlp="Qwen2_5_VLMLP",
+                image_processor="transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
+                image_token="<|image_pad|>",
+                vision_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+                rope_note="vision tower: its 2-D RoPE (apply_rotary_pos_emb_vision) is not patched",
+            ),
+        ),
     )
 }

@@ -26,8 +26,9 @@ from torch import nn
 from ligertune.config import Recipe
 from ligertune.data import build_datasets, load_tokenizer
 from ligertune.data.loader import loader_class
+from ligertune.data.vision import build_vision_datasets, load_processor
 from ligertune.distributed import Runtime
-from ligertune.models.build import build_model, check_vocab
+from ligertune.models.build import build_model, check_vocab, vision_tower
 from ligertune.models.shape import model_shape
 from ligertune.objectives import Objective, build_objective
 from ligertune.run.metrics import count_label
@@ -113,7 +114,12 @@ def build(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> Compo
 def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> Data:
     """Tokenizer, datasets, and the train and validation loaders of this rank."""
     tokenizer = load_tokenizer(recipe)
-    datasets = build_datasets(recipe, tokenizer, is_main=runtime.is_main, barrier=runtime.barrier, log=log)
+    vision = vision_tower(recipe)
+    if vision is not None:  # images through the model's image processor (ligertune.data.vision)
+        processor = load_processor(recipe, vision, tokenizer)
+        datasets = build_vision_datasets(recipe, processor, log=log if runtime.is_main else None)
+    else:
+        datasets = build_datasets(recipe, tokenizer, is_main=runtime.is_main, barrier=runtime.barrier, log=log)
     loader_args = dict(
         seed=recipe.seed,
         pad_token_id=tokenizer.pad_token_id,

@@ -1,0 +1,376 @@
+"""Conversations with images → samples for a vision-language model (issue #32).
+
+A row is a ``messages`` conversation (``data.format: chat``) whose message ``content`` is text or
+a list of parts: ``{"type": "text", "text": ...}`` and ``{"type": "image", ...}`` with the image
+as ``path`` (relative to the data file's folder, or absolute), a base64 ``data:`` URI (in
+``url`` or ``image``), or nothing, for a hub dataset whose row holds the decoded images in an
+``images`` column (taken in order). ``http(s)`` URLs are refused: runs are offline, and a
+fetch in the middle of tokenising would make the data depend on the network.
+
+Each sample is built in four steps, all with the model's own tools:
+
+1. the images are opened with PIL (RGB) and run through the family's image processor, resized
+   to between ``data.image_min_pixels`` and ``data.image_max_pixels`` pixels (the processor's own
+   bounds when unset): ``pixel_values`` (one row per patch) and ``image_grid_thw``;
+2. the conversation is rendered by the tokenizer's chat template, which writes one image
+   placeholder per image, and split into trained and untrained text like a text conversation
+   (`ligertune.data.chat.template_segments`: only assistant turns, with their end-of-turn token);
+3. each placeholder is repeated once per merged patch of its image (``t·h·w / merge²``), as the
+   model's processor does (`expand_placeholders`: transformers 5.17's processor classes need a
+   video processor and torchvision, which a CPU install lacks; this is the one step of theirs
+   we repeat);
+4. the segments are tokenised; labels are −100 outside assistant text and on every vision token
+   (image pads, vision start/end), and ``mm_token_type_ids`` marks the image tokens (1), from
+   which the model computes its 3-D rotary positions.
+
+A sample longer than ``data.max_seq_len`` is dropped and counted, not cut: a cut through an
+image's tokens would leave the model more image features than placeholders. A broken or
+missing image stops with one line naming the row and the image, or, with
+``data.skip_bad_images: true``, its row is left out and counted. Rows are padded into
+micro-batches (`VisionLoader`); packing is refused (`packing_problem`), and the samples are
+not cached on disk (the pixel values are many times the size of the image files; decoding and
+resizing a row is cheap next to a forward of the vision tower).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import importlib
+import io
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ligertune.catalog.families import VisionTower
+from ligertune.data.chat import template_segments
+from ligertune.data.formats import IGNORE_INDEX, default_messages_field
+from ligertune.data.loader import MicroBatchLoader
+from ligertune.data.prepared import DataStats, Log, PreparedData
+from ligertune.data.sources import load_split, source_specs
+from ligertune.errors import DataError, RecipeError
+from ligertune.paths import looks_local
+
+if TYPE_CHECKING:
+    from ligertune.config import Recipe
+
+ROLES = ("system", "user", "assistant")
+HOLDOUT_STREAM, SHUFFLE_STREAM = 1, 0  # as the text pipeline draws them (ligertune.data.pipeline)
+
+
+class BadImage(Exception):
+    """An image part that cannot be opened; its message names the image."""
+
+
+@dataclass
+class VisionProcessor:
+    """The tokenizer and the image processor of a vision-language model, and its image tokens."""
+
+    tokenizer: Any
+    image_processor: Any
+    image_token: str
+    vision_ids: frozenset[int]  # never trained: image and video pads, vision start and end
+
+    @property
+    def image_token_id(self) -> int:
+        return self.tokenizer.convert_tokens_to_ids(self.image_token)
+
+    def images(self, images: list, min_pixels: int | None, max_pixels: int | None) -> dict[str, torch.Tensor]:
+        bounds = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+        return dict(self.image_processor(images=images, return_tensors="pt", **bounds))
+
+
+def load_processor(recipe: Recipe, vision: VisionTower, tokenizer) -> VisionProcessor:
+    """The image processor from the tokenizer's source (``preprocessor_config.json``), with the
+    tokenizer `load_tokenizer` loaded; its vision tokens must be in the vocabulary."""
+    source = recipe.tokenizer.name_or_path or recipe.model.name_or_path
+    key = "tokenizer.name_or_path" if recipe.tokenizer.name_or_path else "model.name_or_path"
+    location = str(recipe.resolve(source)) if looks_local(source) else source
+    module, _, name = vision.image_processor.rpartition(".")
+    try:
+        image_processor = getattr(importlib.import_module(module), name).from_pretrained(location)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{key}: cannot load an image processor from {location}: {first}") from None
+    missing = [
+        t
+        for t in vision.vision_tokens
+        if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)
+    ]
+    if missing:
+        raise DataError(f"{key}: the tokenizer at {location} lacks the vision tokens {', '.join(missing)}")
+    ids = frozenset(tokenizer.convert_tokens_to_ids(t) for t in vision.vision_tokens)
+    return VisionProcessor(tokenizer, image_processor, vision.image_token, ids)
+
+
+def packing_problem(recipe: Recipe) -> str | None:
+    """Why this recipe's data cannot go to a vision-language model as it is, or None."""
+    data = recipe.data
+    if data.packing:
+        return (
+            "data.packing: rows with images are padded, not packed (the model computes its 3-D rotary "
+            "positions per row from the image tokens, which packed samples would share); set data.packing: false"
+        )
+    if data.streaming:
+        return "data.streaming: not supported for vision-language models yet; set data.streaming: false"
+    if data.format != "chat":
+        return f"data.format: {data.format}: a vision-language model trains on chat (messages) rows with image parts"
+    return None
+
+
+# -- rows → samples -----------------------------------------------------------------------------
+
+
+def open_image(part: dict, base: Path | None, images: list, used: int):
+    """The PIL image (RGB) an image part names; BadImage saying why not."""
+    from PIL import Image, UnidentifiedImageError
+
+    ref = next((part[k] for k in ("path", "url", "image") if part.get(k) is not None), None)
+    try:
+        if ref is None:
+            if used >= len(images):
+                raise BadImage(f"image {used} has no path and the row's images column has {len(images)}")
+            image = images[used]
+            if isinstance(image, dict) and image.get("bytes"):  # datasets' undecoded Image feature
+                image = Image.open(io.BytesIO(image["bytes"]))
+            return image.convert("RGB")
+        if not isinstance(ref, str):
+            raise BadImage(f"image {ref!r} is not a path, data: URI or URL")
+        if ref.startswith("data:"):
+            header, _, payload = ref.partition(",")
+            if ";base64" not in header:
+                raise BadImage(f"image {ref[:40]}...: only base64 data: URIs are read")
+            image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
+        elif ref.startswith(("http://", "https://")):
+            raise BadImage(
+                f"image {ref}: URLs are not fetched (runs are offline); download it and give its path"
+            )
+        else:
+            path = Path(ref) if Path(ref).is_absolute() or base is None else base / ref
+            image = Image.open(path)
+        image.load()
+        return image.convert("RGB")
+    except BadImage:
+        raise
+    except FileNotFoundError:
+        raise BadImage(f"image {ref}: file not found") from None
+    except (UnidentifiedImageError, OSError, binascii.Error, ValueError) as e:
+        raise BadImage(f"image {str(ref)[:80]}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def read_conversation(value: Any, where: str, base: Path | None, images: list) -> tuple[list[dict], list]:
+    """The row's messages in the chat template's structured form (content: a list of text and
+    image parts) and its images, in order."""
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}")
+    messages, opened = [], []
+    for turn, message in enumerate(value):
+        role = message.get("role") if isinstance(message, dict) else None
+        content = message.get("content") if isinstance(message, dict) else None
+        if role not in ROLES:
+            raise DataError(f"{where}: message {turn} has role {role!r}; roles are {', '.join(ROLES)}")
+        if isinstance(content, str):
+            content = [{"type": "text", "text": content}]
+        if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+            raise DataError(f"{where}: message {turn}: content must be text or a list of {{type, ...}} parts")
+        parts = []
+        for part in content:
+            if part.get("type") == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif part.get("type") == "image":
+                if role == "assistant":
+                    raise DataError(f"{where}: message {turn}: images belong in user or system messages")
+                opened.append(open_image(part, base, images, len(opened)))
+                parts.append({"type": "image"})
+            else:
+                raise DataError(
+                    f"{where}: message {turn}: part {part!r} is neither {{type: text, text}} nor {{type: image, ...}}"
+                )
+        messages.append({"role": role, "content": parts})
+    return messages, opened
+
+
+def expand_placeholders(segments, image_token: str, counts: list[int], where: str):
+    """Each image placeholder in the rendered text repeated `counts[i]` times (one per merged
+    patch of image i), as the model's processor does."""
+    found = sum(text.count(image_token) for text, _ in segments)
+    if found != len(counts):
+        raise DataError(
+            f"{where}: the chat template wrote {found} image placeholder(s) {image_token} for {len(counts)} image(s); "
+            "use the model's chat template"
+        )
+    left = iter(counts)
+    out = []
+    for text, trained in segments:
+        pieces = text.split(image_token)
+        expanded = pieces[0] + "".join(image_token * next(left) + piece for piece in pieces[1:])
+        out.append((expanded, trained))
+    return out
+
+
+def encode_row(
+    processor: VisionProcessor, row: dict, messages_field: str, where: str, base: Path | None, recipe: Recipe
+) -> dict[str, torch.Tensor]:
+    """One row → its sample tensors: input_ids, labels, mm_token_type_ids, pixel_values, image_grid_thw."""
+    messages, images = read_conversation(row[messages_field], where, base, row.get("images") or [])
+    if messages[0]["role"] == "assistant":
+        raise DataError(
+            f"{where}: the conversation starts with an assistant turn; start it with a user message"
+        )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: the conversation has no assistant turn to train on")
+    tokenizer = processor.tokenizer
+    segments = template_segments(tokenizer, messages, where, recipe.data.train_on_inputs)
+    vision: dict[str, torch.Tensor] = {}
+    counts: list[int] = []
+    if images:
+        vision = processor.images(images, recipe.data.image_min_pixels, recipe.data.image_max_pixels)
+        merge = processor.image_processor.merge_size
+        counts = [int(grid.prod()) // merge**2 for grid in vision["image_grid_thw"]]
+    segments = expand_placeholders(segments, processor.image_token, counts, where)
+    input_ids: list[int] = []
+    labels: list[int] = []
+    for ids, (_, trained) in zip(
+        tokenizer([text for text, _ in segments], add_special_tokens=False)["input_ids"],
+        segments,
+        strict=True,
+    ):
+        input_ids += ids
+        labels += [i if trained and i not in processor.vision_ids else IGNORE_INDEX for i in ids]
+    labels[0] = IGNORE_INDEX  # nothing predicts the first token (as the text pipeline masks it)
+    ids = torch.tensor(input_ids, dtype=torch.int64)
+    return {
+        "input_ids": ids,
+        "labels": torch.tensor(labels, dtype=torch.int64),
+        "mm_token_type_ids": (ids == processor.image_token_id).to(torch.int64),
+        **vision,
+    }
+
+
+class VisionLoader(MicroBatchLoader):
+    """Padded micro-batches of `VisionRows`: input_ids, labels, attention_mask and
+    mm_token_type_ids [B, S]; the images of all rows concatenated (pixel_values [patches, D],
+    image_grid_thw [images, 3]), in row order as the model reads them. No position_ids: the
+    model computes its 3-D positions from the image tokens."""
+
+    def collate(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        longest = max(len(row["input_ids"]) for row in rows)
+        batch = {
+            "input_ids": torch.full((len(rows), longest), self.pad_token_id, dtype=torch.int64),
+            "labels": torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.int64),
+            "attention_mask": torch.zeros((len(rows), longest), dtype=torch.int64),
+            "mm_token_type_ids": torch.zeros((len(rows), longest), dtype=torch.int64),
+        }
+        for b, row in enumerate(rows):
+            n = len(row["input_ids"])
+            for name in ("input_ids", "labels", "mm_token_type_ids"):
+                batch[name][b, :n] = row[name]
+            batch["attention_mask"][b, :n] = 1
+        with_images = [row for row in rows if "pixel_values" in row]
+        if with_images:
+            batch["pixel_values"] = torch.cat([row["pixel_values"] for row in with_images])
+            batch["image_grid_thw"] = torch.cat([row["image_grid_thw"] for row in with_images])
+        return batch
+
+
+class VisionRows(list):
+    """The samples of one split, each a dict of tensors; `loader_class` reads its ``loader``."""
+
+    loader = VisionLoader
+
+
+def build_vision_datasets(recipe: Recipe, processor: VisionProcessor, log: Log | None = None) -> PreparedData:
+    """The recipe's train and validation samples for a vision-language model (module docstring)."""
+    say: Log = log or (lambda message: None)
+    problem = packing_problem(recipe)
+    if problem:
+        raise RecipeError([problem])
+    data = recipe.data
+    specs = source_specs(recipe)
+    if len(specs) != 1:
+        raise RecipeError(["data.mix: a vision-language run reads one dataset (data.path) for now"])
+    spec = specs[0]
+    start = time.perf_counter()
+    dataset, located = load_split(spec, spec.split)
+    base = None if spec.local is None else (spec.local if spec.local.is_dir() else spec.local.parent)
+    field = spec.messages_field or default_messages_field("chat")
+    rows = np.arange(len(dataset))
+    if data.shuffle:
+        rows = np.random.default_rng([recipe.seed, SHUFFLE_STREAM]).permutation(rows)
+    if data.max_samples is not None:
+        rows = rows[: data.max_samples]
+    samples, skipped, too_long = [], [], 0
+    for index in rows.tolist():
+        where, row = located.row(index, dataset[index])
+        try:
+            sample = encode_row(processor, row, field, where, base, recipe)
+        except BadImage as e:
+            if not data.skip_bad_images:
+                raise DataError(
+                    f"{where}: {e}; fix it, or set data.skip_bad_images: true to leave such rows out"
+                ) from None
+            skipped.append(f"{where}: {e}")
+            continue
+        if len(sample["input_ids"]) > data.max_seq_len:
+            too_long += 1
+            continue
+        samples.append(sample)
+    if skipped:
+        say(
+            f"warning: skipped {len(skipped)} row(s) with a bad image (data.skip_bad_images); first: {skipped[0]}"
+        )
+    if not samples:
+        raise DataError(
+            f"{located}: no sample left to train on ({len(skipped)} with bad images, {too_long} longer than data.max_seq_len)"
+        )
+    validation = None
+    if data.validation_fraction > 0:
+        held = max(1, round(len(samples) * data.validation_fraction))
+        if held >= len(samples):
+            raise DataError(
+                f"{located}: data.validation_fraction {data.validation_fraction} leaves nothing to train on"
+            )
+        chosen = set(
+            np.random.default_rng([recipe.seed, HOLDOUT_STREAM])
+            .choice(len(samples), held, replace=False)
+            .tolist()
+        )
+        validation = VisionRows(s for i, s in enumerate(samples) if i in chosen)
+        samples = [s for i, s in enumerate(samples) if i not in chosen]
+    train = VisionRows(samples)
+    stats = _stats(train, data.max_seq_len, len(rows), too_long)
+    if validation is not None:
+        stats.validation = _stats(validation, data.max_seq_len, len(validation), 0)
+    images = sum(len(s.get("image_grid_thw", ())) for s in train)
+    say(
+        f"processed {len(rows):,} rows with {images:,} images in {time.perf_counter() - start:.1f} s (not cached)"
+    )
+    splits = {"train": train} | ({"validation": validation} if validation is not None else {})
+    fingerprint = {
+        "samples": _digest(splits),
+        **{k: len(v) for k, v in splits.items()},
+        "skipped_bad_images": len(skipped),
+    }
+    return PreparedData(train, validation, stats, None, fingerprint)
+
+
+def _stats(rows: VisionRows, max_seq_len: int, read: int, dropped: int) -> DataStats:
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    trained = sum(int((r["labels"] != IGNORE_INDEX).sum()) for r in rows)
+    return DataStats(read, 0, dropped, len(rows), tokens, trained, max_seq_len, packed=False)
+
+
+def _digest(splits: dict[str, VisionRows]) -> str:
+    """What a checkpoint records of the samples (as the text pipeline's digest): their tensors."""
+    digest = hashlib.sha256()
+    for name in sorted(splits):
+        for row in splits[name]:
+            for key in sorted(row):
+                digest.update(key.encode())
+                digest.update(row[key].contiguous().numpy().tobytes())
+    return digest.hexdigest()[:20]
