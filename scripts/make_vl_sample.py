@@ -77,7 +77,10 @@ def write_sample(out: Path) -> None:
                 "messages": [
                     {
                         "role": "user",
-                        "content": [{"type": "image", "path": name}, {"type": "text", "text": rng.choice(QUESTIONS)}],
+                        "content": [
+                            {"type": "image", "path": name},
+                            {"type": "text", "text": rng.choice(QUESTIONS)},
+                        ],
                     },
                     {"role": "assistant", "content": f"A {colour} {shape}."},
                 ]
@@ -103,7 +106,9 @@ def write_processor(out: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--check", action="store_true", help="rebuild in a temporary folder and compare")
     args = parser.parse_args()
     if not args.check:

@@ -34,11 +34,8 @@ resizing a row is cheap next to a forward of the vision tower).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import importlib
-import io
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +47,7 @@ import torch
 from ligertune.catalog.families import VisionTower
 from ligertune.data.chat import template_segments
 from ligertune.data.formats import IGNORE_INDEX, default_messages_field
+from ligertune.data.images import BadImage, read_conversation
 from ligertune.data.loader import MicroBatchLoader
 from ligertune.data.prepared import DataStats, Log, PreparedData
 from ligertune.data.sources import load_split, source_specs
@@ -59,12 +57,7 @@ from ligertune.paths import looks_local
 if TYPE_CHECKING:
     from ligertune.config import Recipe
 
-ROLES = ("system", "user", "assistant")
 HOLDOUT_STREAM, SHUFFLE_STREAM = 1, 0  # as the text pipeline draws them (ligertune.data.pipeline)
-
-
-class BadImage(Exception):
-    """An image part that cannot be opened; its message names the image."""
 
 
 @dataclass
@@ -86,26 +79,46 @@ class VisionProcessor:
 
 
 def load_processor(recipe: Recipe, vision: VisionTower, tokenizer) -> VisionProcessor:
-    """The image processor from the tokenizer's source (``preprocessor_config.json``), with the
-    tokenizer `load_tokenizer` loaded; its vision tokens must be in the vocabulary."""
+    """The recipe's image processor, from the tokenizer's source (its ``preprocessor_config.json``),
+    with the tokenizer `load_tokenizer` loaded."""
     source = recipe.tokenizer.name_or_path or recipe.model.name_or_path
     key = "tokenizer.name_or_path" if recipe.tokenizer.name_or_path else "model.name_or_path"
     location = str(recipe.resolve(source)) if looks_local(source) else source
+    return processor_from(location, vision, tokenizer, key)
+
+
+def processor_from(location: str, vision: VisionTower, tokenizer, key: str) -> VisionProcessor:
+    """The family's image processor from `location` (a folder or hub id); its vision tokens must
+    be in the tokenizer's vocabulary. Errors name `key`, where the location came from."""
     module, _, name = vision.image_processor.rpartition(".")
     try:
         image_processor = getattr(importlib.import_module(module), name).from_pretrained(location)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"{key}: cannot load an image processor from {location}: {first}") from None
-    missing = [
-        t
-        for t in vision.vision_tokens
-        if tokenizer.convert_tokens_to_ids(t) in (None, tokenizer.unk_token_id)
-    ]
+    unknown = (None, tokenizer.unk_token_id)
+    missing = [t for t in vision.vision_tokens if tokenizer.convert_tokens_to_ids(t) in unknown]
     if missing:
         raise DataError(f"{key}: the tokenizer at {location} lacks the vision tokens {', '.join(missing)}")
     ids = frozenset(tokenizer.convert_tokens_to_ids(t) for t in vision.vision_tokens)
     return VisionProcessor(tokenizer, image_processor, vision.image_token, ids)
+
+
+def prompt_inputs(processor: VisionProcessor, messages: list[dict], images: list) -> dict[str, torch.Tensor]:
+    """A conversation with images as the model's inputs for generation ([1, S] and the images),
+    the chat template's generation prompt at its end; placeholders expanded as in training."""
+    text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    vision = processor.images(images, None, None)
+    merge = processor.image_processor.merge_size
+    counts = [int(grid.prod()) // merge**2 for grid in vision["image_grid_thw"]]
+    [(text, _)] = expand_placeholders([(text, False)], processor.image_token, counts, "--image")
+    ids = torch.tensor([processor.tokenizer(text, add_special_tokens=False)["input_ids"]])
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "mm_token_type_ids": (ids == processor.image_token_id).to(torch.int64),
+        **vision,
+    }
 
 
 def packing_problem(recipe: Recipe) -> str | None:
@@ -121,78 +134,6 @@ def packing_problem(recipe: Recipe) -> str | None:
     if data.format != "chat":
         return f"data.format: {data.format}: a vision-language model trains on chat (messages) rows with image parts"
     return None
-
-
-# -- rows → samples -----------------------------------------------------------------------------
-
-
-def open_image(part: dict, base: Path | None, images: list, used: int):
-    """The PIL image (RGB) an image part names; BadImage saying why not."""
-    from PIL import Image, UnidentifiedImageError
-
-    ref = next((part[k] for k in ("path", "url", "image") if part.get(k) is not None), None)
-    try:
-        if ref is None:
-            if used >= len(images):
-                raise BadImage(f"image {used} has no path and the row's images column has {len(images)}")
-            image = images[used]
-            if isinstance(image, dict) and image.get("bytes"):  # datasets' undecoded Image feature
-                image = Image.open(io.BytesIO(image["bytes"]))
-            return image.convert("RGB")
-        if not isinstance(ref, str):
-            raise BadImage(f"image {ref!r} is not a path, data: URI or URL")
-        if ref.startswith("data:"):
-            header, _, payload = ref.partition(",")
-            if ";base64" not in header:
-                raise BadImage(f"image {ref[:40]}...: only base64 data: URIs are read")
-            image = Image.open(io.BytesIO(base64.b64decode(payload, validate=True)))
-        elif ref.startswith(("http://", "https://")):
-            raise BadImage(
-                f"image {ref}: URLs are not fetched (runs are offline); download it and give its path"
-            )
-        else:
-            path = Path(ref) if Path(ref).is_absolute() or base is None else base / ref
-            image = Image.open(path)
-        image.load()
-        return image.convert("RGB")
-    except BadImage:
-        raise
-    except FileNotFoundError:
-        raise BadImage(f"image {ref}: file not found") from None
-    except (UnidentifiedImageError, OSError, binascii.Error, ValueError) as e:
-        raise BadImage(f"image {str(ref)[:80]}: cannot be read ({type(e).__name__}: {e})") from None
-
-
-def read_conversation(value: Any, where: str, base: Path | None, images: list) -> tuple[list[dict], list]:
-    """The row's messages in the chat template's structured form (content: a list of text and
-    image parts) and its images, in order."""
-    if not isinstance(value, list) or not value:
-        raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}")
-    messages, opened = [], []
-    for turn, message in enumerate(value):
-        role = message.get("role") if isinstance(message, dict) else None
-        content = message.get("content") if isinstance(message, dict) else None
-        if role not in ROLES:
-            raise DataError(f"{where}: message {turn} has role {role!r}; roles are {', '.join(ROLES)}")
-        if isinstance(content, str):
-            content = [{"type": "text", "text": content}]
-        if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
-            raise DataError(f"{where}: message {turn}: content must be text or a list of {{type, ...}} parts")
-        parts = []
-        for part in content:
-            if part.get("type") == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
-            elif part.get("type") == "image":
-                if role == "assistant":
-                    raise DataError(f"{where}: message {turn}: images belong in user or system messages")
-                opened.append(open_image(part, base, images, len(opened)))
-                parts.append({"type": "image"})
-            else:
-                raise DataError(
-                    f"{where}: message {turn}: part {part!r} is neither {{type: text, text}} nor {{type: image, ...}}"
-                )
-        messages.append({"role": role, "content": parts})
-    return messages, opened
 
 
 def expand_placeholders(segments, image_token: str, counts: list[int], where: str):

@@ -119,7 +119,9 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
         processor = load_processor(recipe, vision, tokenizer)
         datasets = build_vision_datasets(recipe, processor, log=log if runtime.is_main else None)
     else:
-        datasets = build_datasets(recipe, tokenizer, is_main=runtime.is_main, barrier=runtime.barrier, log=log)
+        datasets = build_datasets(
+            recipe, tokenizer, is_main=runtime.is_main, barrier=runtime.barrier, log=log
+        )
     loader_args = dict(
         seed=recipe.seed,
         pad_token_id=tokenizer.pad_token_id,
