@@ -124,7 +124,7 @@ def apply_lora(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
     parts = vision_parts(model)
     vision = set()
     if parts is not None:
-        vision = {id(m) for part in ("vision", "projector") for m in parts[part].modules()}
+        vision = {id(m) for part in ("vision", "projector") for top in parts[part] for m in top.modules()}
     targets = resolve_targets(model, lora.target_modules, skip=vision)
     exclude = [n for n, m in model.named_modules() if id(m) in vision] or None
     _check_modules_to_save(model, lora.modules_to_save)

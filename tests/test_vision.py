@@ -64,18 +64,34 @@ def _row(image: dict, answer: str = "A red square.") -> dict:
 # -- the kernels against HF's own model ------------------------------------------------------
 
 
-def test_patched_matches_unpatched_with_images_loss_and_grads():
+# Per tiny architecture: what the kernels must patch, and where.
+PATCHED = {
+    # rms_norm: 2 × 2 decoder + final; 2 × 2 vision blocks + the merger's ln_q. swiglu: 2 + 2 vision MLPs.
+    "tiny-qwen2.5-vl": (
+        {"rms_norm": 10, "swiglu": 4, "rope": 2, "fused_linear_cross_entropy": 1},
+        "vision tower (model.visual): rms_norm 5, swiglu 2",
+    ),
+    # rms_norm: 2 × (2 + q_norm + k_norm) + final; the vision tower's norms are nn.LayerNorm (2 × 2
+    # blocks, the merger's and the deepstack merger's), its MLPs ungated.
+    "tiny-qwen3-vl": (
+        {"rms_norm": 9, "layer_norm": 6, "swiglu": 2, "rope": 2, "fused_linear_cross_entropy": 1},
+        "vision tower (model.visual): layer_norm 6;",
+    ),
+}
+
+
+@pytest.mark.parametrize("architecture", sorted(PATCHED))
+def test_patched_matches_unpatched_with_images_loss_and_grads(architecture):
     """fp32, two rows with images, rope on: the language model's RoPE kernel rotates the cos/sin
     HF's multimodal rotary module built (its 3-D sections), so it must match exactly as well."""
-    recipe = _recipe("training.precision=fp32")
+    recipe = _recipe("training.precision=fp32", f"model.config={architecture}")
     batch = _batch(recipe)
     reference = build_model(recipe, torch.device("cpu"))
     patched = copy.deepcopy(reference)
     report = patch_model(patched, "all")
-    assert report.patched["rms_norm"] == 10  # 2 × 2 decoder + final; 2 × 2 vision blocks + merger's ln_q
-    assert report.patched["swiglu"] == 4  # 2 language model MLPs, 2 vision MLPs
-    assert report.patched["rope"] == 2 and report.patched["fused_linear_cross_entropy"] == 1
-    assert "vision tower (model.visual): rms_norm 5, swiglu 2" in str(report)
+    counts, where = PATCHED[architecture]
+    assert {k: report.patched[k] for k in counts} == counts
+    assert where in str(report)
     assert "apply_rotary_pos_emb_vision) is not patched" in str(report)
 
     n = torch.tensor(int((batch["labels"][:, 1:] != -100).sum()) + 3)  # an accumulation window's count
@@ -90,7 +106,7 @@ def test_patched_matches_unpatched_with_images_loss_and_grads():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     for name, grad in grads[0].items():
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    assert grads[0]["model.visual.blocks.0.mlp.gate_proj.weight"].abs().sum() > 0  # images reached the loss
+    assert grads[0]["model.visual.blocks.0.attn.qkv.weight"].abs().sum() > 0  # the images reached the loss
 
     # The normalisation the loop relies on (HF's class says accepts_loss_kwargs=False): sum / N,
     # from the unpatched logits.

@@ -40,9 +40,9 @@ class VisionTower:
     """The vision side of a vision-language family: what the kernels, freezing, LoRA and the data
     pipeline need to know of it.
 
-    ``tower`` and ``projector`` are attribute paths from the ``...ForConditionalGeneration``
-    model (the projector may sit inside the tower: Qwen2.5-VL's merger is ``model.visual.merger``;
-    freezing the tower leaves it alone). ``block`` is the vision transformer block (a unit of
+    ``tower`` and ``projectors`` are attribute paths from the ``...ForConditionalGeneration``
+    model (a projector may sit inside the tower: Qwen2.5-VL's merger is ``model.visual.merger``,
+    Qwen3-VL adds its deepstack mergers; freezing the tower leaves them alone). ``block`` is the vision transformer block (a unit of
     sharding), ``mlp`` its gated MLP class when it has one (patched like the language model's).
     ``image_processor`` is the PIL image processor class, by dotted path: transformers 5.17's
     Auto image and processor classes need torchvision, which a CPU install lacks, and the PIL
@@ -51,7 +51,7 @@ class VisionTower:
     tokens around it, never trained on."""
 
     tower: str
-    projector: str
+    projectors: tuple[str, ...]
     language_model: str
     block: str
     mlp: str | None
@@ -132,10 +132,34 @@ FAMILIES: dict[str, Family] = {
             causal_lm="Qwen2_5_VLForConditionalGeneration",
             vision=VisionTower(
                 tower="model.visual",
-                projector="model.visual.merger",
+                projectors=("model.visual.merger",),
                 language_model="model.language_model",
                 block="Qwen2_5_VLVisionBlock",
                 mlp="Qwen2_5_VLMLP",
+                image_processor="transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
+                image_token="<|image_pad|>",
+                vision_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+                rope_note="vision tower: its 2-D RoPE (apply_rotary_pos_emb_vision) is not patched",
+            ),
+        ),
+        # Qwen3-VL: a Qwen3 language model (q_norm/k_norm are Qwen3VLTextRMSNorm) with interleaved
+        # 3-D RoPE, again composed into cos/sin by the rotary module. Its vision blocks use
+        # nn.LayerNorm (the layer_norm kernel) and an ungated GELU MLP (no kernel of ours); the
+        # deepstack mergers feed vision features into early decoder layers.
+        _llama_like(
+            "qwen3_vl",
+            "Qwen3VL",
+            rms_norm="Qwen3VLTextRMSNorm",
+            decoder_layer="Qwen3VLTextDecoderLayer",
+            attention="Qwen3VLTextAttention",
+            mlp="Qwen3VLTextMLP",
+            causal_lm="Qwen3VLForConditionalGeneration",
+            vision=VisionTower(
+                tower="model.visual",
+                projectors=("model.visual.merger", "model.visual.deepstack_merger_list"),
+                language_model="model.language_model",
+                block="Qwen3VLVisionBlock",
+                mlp=None,
                 image_processor="transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
                 image_token="<|image_pad|>",
                 vision_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),

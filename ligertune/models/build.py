@@ -122,19 +122,16 @@ FREEZABLE = {
 }
 
 
-def vision_parts(model: nn.Module) -> dict[str, nn.Module] | None:
+def vision_parts(model: nn.Module) -> dict[str, list[nn.Module]] | None:
     """The `FREEZABLE` parts of a vision-language model, by name, or None for a text model."""
     family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
     if family is None or family.vision is None:
         return None
     v = family.vision
     return {
-        part: model.get_submodule(path)
-        for part, path in (
-            ("vision", v.tower),
-            ("projector", v.projector),
-            ("language_model", v.language_model),
-        )
+        "vision": [model.get_submodule(v.tower)],
+        "projector": [model.get_submodule(path) for path in v.projectors],
+        "language_model": [model.get_submodule(v.language_model)],
     }
 
 
@@ -149,10 +146,12 @@ def freeze(model: nn.Module, parts: list[str]) -> str:
                 f"model.freeze: {type(model).__name__} is not a vision-language model of the family table; remove model.freeze"
             ]
         )
-    keep = {id(p) for part, module in found.items() if part not in parts for p in module.parameters()}
+    keep = {
+        id(p) for part, modules in found.items() if part not in parts for m in modules for p in m.parameters()
+    }
     frozen = 0
     for part in parts:
-        for param in found[part].parameters():
+        for param in (p for m in found[part] for p in m.parameters()):
             if id(param) not in keep and param.requires_grad:
                 param.requires_grad_(False)
                 frozen += param.numel()
