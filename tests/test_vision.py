@@ -161,6 +161,39 @@ def test_a_missing_or_broken_image_is_one_line_naming_the_row_or_skipped_and_cou
         _data(_recipe(f"data.path={_rows_file(tmp_path, rows[4:])}"))
 
 
+def test_a_hub_rows_images_column_fills_the_image_parts_in_order():
+    """llava-instruct-mix-vsft's shape: parts without a path, the decoded images (or datasets'
+    undecoded {bytes}) in an images column; the sample must be the one the file path gives."""
+    from PIL import Image
+
+    from ligertune.data.vision import encode_row
+
+    recipe = _recipe()
+    processor, _ = _data(recipe)
+    hub_parts = [
+        {"type": "image", "text": None, "index": 0},
+        {"type": "text", "text": "What is it?", "index": None},
+    ]
+    hub_row = {"messages": [{"role": "user", "content": hub_parts}, _row({})["messages"][1]]}
+    expected = encode_row(processor, _row({"path": str(IMAGE)}), "messages", "file", None, recipe)
+    for images in ([Image.open(IMAGE)], [{"bytes": IMAGE.read_bytes(), "path": None}]):
+        got = encode_row(processor, {**hub_row, "images": images}, "messages", "hub", None, recipe)
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert torch.equal(got[key], expected[key]), key
+
+
+def test_what_does_not_cover_vision_language_models_says_so(capsys):
+    from typer.testing import CliRunner
+
+    from ligertune.cli import app
+
+    result = CliRunner().invoke(app, ["preprocess", str(QUICKSTART_VL)])
+    assert result.exit_code == 2 and "vision-language samples are not cached" in result.output
+    result = CliRunner().invoke(app, ["validate", str(QUICKSTART_VL), "--check"])
+    assert result.exit_code == 2 and "--check does not cover vision-language models yet" in result.output
+
+
 def test_packing_is_refused_with_its_reason():
     with pytest.raises(RecipeError, match="data.packing: rows with images are padded, not packed"):
         _data(_recipe("data.packing=true"))
