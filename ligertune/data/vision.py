@@ -27,7 +27,7 @@ A sample longer than ``data.max_seq_len`` is dropped and counted, not cut: a cut
 image's tokens would leave the model more image features than placeholders. A broken or
 missing image stops with one line naming the row and the image, or, with
 ``data.skip_bad_images: true``, its row is left out and counted. Rows are padded into
-micro-batches (`VisionLoader`); packing is refused (`packing_problem`), and the samples are
+micro-batches (`VisionLoader`); packing is refused (`data_problem`), and the samples are
 not cached on disk (the pixel values are many times the size of the image files; decoding and
 resizing a row is cheap next to a forward of the vision tower).
 """
@@ -121,7 +121,7 @@ def prompt_inputs(processor: VisionProcessor, messages: list[dict], images: list
     }
 
 
-def packing_problem(recipe: Recipe) -> str | None:
+def data_problem(recipe: Recipe) -> str | None:
     """Why this recipe's data cannot go to a vision-language model as it is, or None."""
     data = recipe.data
     if data.packing:
@@ -131,6 +131,10 @@ def packing_problem(recipe: Recipe) -> str | None:
         )
     if data.streaming:
         return "data.streaming: not supported for vision-language models yet; set data.streaming: false"
+    if data.roles or {"role", "content"} & set(data.columns):
+        return "data.roles, data.columns.role/content: not supported for rows with images yet; use role and content"
+    if data.think_blocks != "keep":
+        return "data.think_blocks: only keep is supported for rows with images yet"
     if data.format != "chat":
         return f"data.format: {data.format}: a vision-language model trains on chat (messages) rows with image parts"
     return None
@@ -226,9 +230,11 @@ class VisionRows(list):
 
 
 def build_vision_datasets(recipe: Recipe, processor: VisionProcessor, log: Log | None = None) -> PreparedData:
-    """The recipe's train and validation samples for a vision-language model (module docstring)."""
+    """The recipe's train and validation samples for a vision-language model (module docstring):
+    ``data.split`` shuffled (seeded) and cut to ``data.max_samples``; validation from
+    ``data.validation_split``, else ``data.validation_fraction`` of the samples held out."""
     say: Log = log or (lambda message: None)
-    problem = packing_problem(recipe)
+    problem = data_problem(recipe)
     if problem:
         raise RecipeError([problem])
     data = recipe.data
@@ -238,53 +244,39 @@ def build_vision_datasets(recipe: Recipe, processor: VisionProcessor, log: Log |
     spec = specs[0]
     start = time.perf_counter()
     dataset, located = load_split(spec, spec.split)
-    base = None if spec.local is None else (spec.local if spec.local.is_dir() else spec.local.parent)
-    field = spec.messages_field or default_messages_field("chat")
     rows = np.arange(len(dataset))
     if data.shuffle:
         rows = np.random.default_rng([recipe.seed, SHUFFLE_STREAM]).permutation(rows)
     if data.max_samples is not None:
         rows = rows[: data.max_samples]
-    samples, skipped, too_long = [], [], 0
-    for index in rows.tolist():
-        where, row = located.row(index, dataset[index])
-        try:
-            sample = encode_row(processor, row, field, where, base, recipe)
-        except BadImage as e:
-            if not data.skip_bad_images:
-                raise DataError(
-                    f"{where}: {e}; fix it, or set data.skip_bad_images: true to leave such rows out"
-                ) from None
-            skipped.append(f"{where}: {e}")
-            continue
-        if len(sample["input_ids"]) > data.max_seq_len:
-            too_long += 1
-            continue
-        samples.append(sample)
-    if skipped:
-        say(
-            f"warning: skipped {len(skipped)} row(s) with a bad image (data.skip_bad_images); first: {skipped[0]}"
-        )
-    if not samples:
-        raise DataError(
-            f"{located}: no sample left to train on ({len(skipped)} with bad images, {too_long} longer than data.max_seq_len)"
-        )
+    encode = _Encoder(processor, recipe, spec)
+    samples = encode(dataset, located, rows.tolist())
     validation = None
-    if data.validation_fraction > 0:
+    if data.validation_split is not None:
+        held_out, held_located = load_split(spec, data.validation_split)
+        validation = VisionRows(encode(held_out, held_located, range(len(held_out))))
+    elif data.validation_fraction > 0:
         held = max(1, round(len(samples) * data.validation_fraction))
         if held >= len(samples):
             raise DataError(
                 f"{located}: data.validation_fraction {data.validation_fraction} leaves nothing to train on"
             )
-        chosen = set(
-            np.random.default_rng([recipe.seed, HOLDOUT_STREAM])
-            .choice(len(samples), held, replace=False)
-            .tolist()
-        )
+        rng = np.random.default_rng([recipe.seed, HOLDOUT_STREAM])
+        chosen = set(rng.choice(len(samples), held, replace=False).tolist())
         validation = VisionRows(s for i, s in enumerate(samples) if i in chosen)
         samples = [s for i, s in enumerate(samples) if i not in chosen]
+    if encode.skipped:
+        say(
+            f"warning: skipped {len(encode.skipped)} row(s) with a bad image (data.skip_bad_images); "
+            f"first: {encode.skipped[0]}"
+        )
+    if not samples:
+        raise DataError(
+            f"{located}: no sample left to train on ({len(encode.skipped)} with bad images, "
+            f"{encode.too_long} longer than data.max_seq_len)"
+        )
     train = VisionRows(samples)
-    stats = _stats(train, data.max_seq_len, len(rows), too_long)
+    stats = _stats(train, data.max_seq_len, len(rows), encode.too_long)
     if validation is not None:
         stats.validation = _stats(validation, data.max_seq_len, len(validation), 0)
     images = sum(len(s.get("image_grid_thw", ())) for s in train)
@@ -292,12 +284,39 @@ def build_vision_datasets(recipe: Recipe, processor: VisionProcessor, log: Log |
         f"processed {len(rows):,} rows with {images:,} images in {time.perf_counter() - start:.1f} s (not cached)"
     )
     splits = {"train": train} | ({"validation": validation} if validation is not None else {})
-    fingerprint = {
-        "samples": _digest(splits),
-        **{k: len(v) for k, v in splits.items()},
-        "skipped_bad_images": len(skipped),
-    }
+    fingerprint = {"samples": _digest(splits), **{k: len(v) for k, v in splits.items()}}
     return PreparedData(train, validation, stats, None, fingerprint)
+
+
+class _Encoder:
+    """Rows of one source → samples, counting the rows left out: a bad image (with
+    ``data.skip_bad_images``; else a DataError naming the row) or longer than ``data.max_seq_len``."""
+
+    def __init__(self, processor: VisionProcessor, recipe: Recipe, spec):
+        self.processor, self.recipe = processor, recipe
+        self.base = None if spec.local is None else (spec.local if spec.local.is_dir() else spec.local.parent)
+        self.field = spec.messages_field or default_messages_field("chat")
+        self.skipped: list[str] = []
+        self.too_long = 0
+
+    def __call__(self, dataset, located, rows) -> list[dict[str, torch.Tensor]]:
+        data, samples = self.recipe.data, []
+        for index in rows:
+            where, row = located.row(index, dataset[index])
+            try:
+                sample = encode_row(self.processor, row, self.field, where, self.base, self.recipe)
+            except BadImage as e:
+                if not data.skip_bad_images:
+                    raise DataError(
+                        f"{where}: {e}; fix it, or set data.skip_bad_images: true to leave such rows out"
+                    ) from None
+                self.skipped.append(f"{where}: {e}")
+                continue
+            if len(sample["input_ids"]) > data.max_seq_len:
+                self.too_long += 1
+                continue
+            samples.append(sample)
+        return samples
 
 
 def _stats(rows: VisionRows, max_seq_len: int, read: int, dropped: int) -> DataStats:
