@@ -69,13 +69,13 @@ PATCHED = {
     # rms_norm: 2 × 2 decoder + final; 2 × 2 vision blocks + the merger's ln_q. swiglu: 2 + 2 vision MLPs.
     "tiny-qwen2.5-vl": (
         {"rms_norm": 10, "swiglu": 4, "rope": 2, "fused_linear_cross_entropy": 1},
-        "vision tower (model.visual): rms_norm 5, swiglu 2",
+        "vision tower (model.visual, 2 blocks): rms_norm 5, swiglu 2",
     ),
     # rms_norm: 2 × (2 + q_norm + k_norm) + final; the vision tower's norms are nn.LayerNorm (2 × 2
     # blocks, the merger's and the deepstack merger's), its MLPs ungated.
     "tiny-qwen3-vl": (
         {"rms_norm": 9, "layer_norm": 6, "swiglu": 2, "rope": 2, "fused_linear_cross_entropy": 1},
-        "vision tower (model.visual): layer_norm 6;",
+        "vision tower (model.visual, 2 blocks): layer_norm 6;",
     ),
 }
 
@@ -264,7 +264,7 @@ def test_quickstart_vl_trains_through_the_cli_and_generate_answers_about_an_imag
         if '"event": "train"' in line
     ]
     assert len(losses) == 4 and losses[-1] < losses[0]
-    assert "vision tower (model.visual)" in done.stdout + done.stderr
+    assert "vision tower (model.visual, 2 blocks)" in done.stdout + done.stderr
 
     done = _cli("generate", str(tmp_path), "--image", str(IMAGE), "--prompt", "What is it?", "-n", "1")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -40,15 +40,17 @@ class VisionTower:
     """The vision side of a vision-language family: what the kernels, freezing, LoRA and the data
     pipeline need to know of it.
 
-    ``tower`` and ``projectors`` are attribute paths from the ``...ForConditionalGeneration``
-    model (a projector may sit inside the tower: Qwen2.5-VL's merger is ``model.visual.merger``,
-    Qwen3-VL adds its deepstack mergers; freezing the tower leaves them alone). ``block`` is the vision transformer block (a unit of
-    sharding), ``mlp`` its gated MLP class when it has one (patched like the language model's).
+    ``tower``, ``projectors`` and ``language_model`` are attribute paths from the
+    ``...ForConditionalGeneration`` model; a projector may sit inside the tower (Qwen2.5-VL's
+    merger is ``model.visual.merger``, Qwen3-VL adds its deepstack mergers), and freezing the
+    tower leaves it alone. ``block`` is the vision transformer block (the patch report counts
+    them), ``mlp`` its gated MLP class when it has one (patched like the language model's).
     ``image_processor`` is the PIL image processor class, by dotted path: transformers 5.17's
     Auto image and processor classes need torchvision, which a CPU install lacks, and the PIL
     class computes the same pixels. ``image_token`` is the placeholder the chat template writes
     once per image and the processor repeats once per merged patch; ``vision_tokens`` are the
-    tokens around it, never trained on."""
+    tokens around it, never trained on. ``rope_note`` is what the patch report says of the
+    tower's own rotary embedding, which no kernel of ours computes."""
 
     tower: str
     projectors: tuple[str, ...]
@@ -58,8 +60,6 @@ class VisionTower:
     image_processor: str
     image_token: str
     vision_tokens: tuple[str, ...]
-    # The vision tower's rotary embedding is 2-D (per patch row and column), applied by its own
-    # function; our RoPE kernel is not patched there.
     rope_note: str = ""
 
 

@@ -62,20 +62,30 @@ HOLDOUT_STREAM, SHUFFLE_STREAM = 1, 0  # as the text pipeline draws them (ligert
 
 @dataclass
 class VisionProcessor:
-    """The tokenizer and the image processor of a vision-language model, and its image tokens."""
+    """The tokenizer and the image processor of a vision-language model, its image tokens, and
+    the resize bounds the run trains with (``data.image_min_pixels`` / ``image_max_pixels``;
+    None: the image processor's own), which generation then uses too."""
 
     tokenizer: Any
     image_processor: Any
     image_token: str
     vision_ids: frozenset[int]  # never trained: image and video pads, vision start and end
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
     @property
     def image_token_id(self) -> int:
         return self.tokenizer.convert_tokens_to_ids(self.image_token)
 
-    def images(self, images: list, min_pixels: int | None, max_pixels: int | None) -> dict[str, torch.Tensor]:
-        bounds = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
-        return dict(self.image_processor(images=images, return_tensors="pt", **bounds))
+    def images(self, images: list) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """(pixel_values and image_grid_thw, each image's count of placeholder tokens: one per
+        merged patch, ``t·h·w / merge²``)."""
+        if not images:
+            return {}, []
+        bounds = {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v}
+        vision = dict(self.image_processor(images=images, return_tensors="pt", **bounds))
+        merge = self.image_processor.merge_size
+        return vision, [int(grid.prod()) // merge**2 for grid in vision["image_grid_thw"]]
 
 
 def load_processor(recipe: Recipe, vision: VisionTower, tokenizer) -> VisionProcessor:
@@ -84,7 +94,9 @@ def load_processor(recipe: Recipe, vision: VisionTower, tokenizer) -> VisionProc
     source = recipe.tokenizer.name_or_path or recipe.model.name_or_path
     key = "tokenizer.name_or_path" if recipe.tokenizer.name_or_path else "model.name_or_path"
     location = str(recipe.resolve(source)) if looks_local(source) else source
-    return processor_from(location, vision, tokenizer, key)
+    processor = processor_from(location, vision, tokenizer, key)
+    processor.min_pixels, processor.max_pixels = recipe.data.image_min_pixels, recipe.data.image_max_pixels
+    return processor
 
 
 def processor_from(location: str, vision: VisionTower, tokenizer, key: str) -> VisionProcessor:
@@ -108,9 +120,7 @@ def prompt_inputs(processor: VisionProcessor, messages: list[dict], images: list
     """A conversation with images as the model's inputs for generation ([1, S] and the images),
     the chat template's generation prompt at its end; placeholders expanded as in training."""
     text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    vision = processor.images(images, None, None)
-    merge = processor.image_processor.merge_size
-    counts = [int(grid.prod()) // merge**2 for grid in vision["image_grid_thw"]]
+    vision, counts = processor.images(images)
     [(text, _)] = expand_placeholders([(text, False)], processor.image_token, counts, "--image")
     ids = torch.tensor([processor.tokenizer(text, add_special_tokens=False)["input_ids"]])
     return {
@@ -171,12 +181,7 @@ def encode_row(
         raise DataError(f"{where}: the conversation has no assistant turn to train on")
     tokenizer = processor.tokenizer
     segments = template_segments(tokenizer, messages, where, recipe.data.train_on_inputs)
-    vision: dict[str, torch.Tensor] = {}
-    counts: list[int] = []
-    if images:
-        vision = processor.images(images, recipe.data.image_min_pixels, recipe.data.image_max_pixels)
-        merge = processor.image_processor.merge_size
-        counts = [int(grid.prod()) // merge**2 for grid in vision["image_grid_thw"]]
+    vision, counts = processor.images(images)
     segments = expand_placeholders(segments, processor.image_token, counts, where)
     input_ids: list[int] = []
     labels: list[int] = []

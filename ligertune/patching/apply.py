@@ -103,8 +103,10 @@ def _where_applied(model: nn.Module, vision: VisionTower) -> str:
         if is_marked(module) and module is not head:
             inside = name == vision.tower or name.startswith(vision.tower + ".")
             sides["vision tower" if inside else "language model"][module.__dict__[MARK]] += 1
+    blocks = sum(type(m).__name__ == vision.block for m in model.modules())
+    where = {"vision tower": f"{vision.tower}, {blocks} blocks", "language model": vision.language_model}
     parts = [
-        f"{side} ({vision.tower if side == 'vision tower' else vision.language_model}): "
+        f"{side} ({where[side]}): "
         + (", ".join(f"{kernel} {n}" for kernel, n in counts.items()) or "nothing patched")
         for side, counts in sides.items()
     ]
