@@ -94,6 +94,9 @@ def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
     # builds a plain causal mask and skips the packed-sequence detection from position ids,
     # so packed samples would attend to each other.
     model.config.use_cache = False
+    text_config = getattr(model.config, "text_config", None)  # a vision-language model's language model
+    if text_config is not None:
+        text_config.use_cache = False
     _check_loss_kwargs(model)
     return model
 

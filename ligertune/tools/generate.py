@@ -178,6 +178,8 @@ def load_for_generation(
                 "(a hub id needs hub access or a copy in the cache: `ligertune download`)"
             ) from None
     model.config.use_cache = True
+    if getattr(model.config, "text_config", None) is not None:  # training turned both off (build_model)
+        model.config.text_config.use_cache = True
     return model.eval(), tokenizer
 
 
