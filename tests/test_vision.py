@@ -266,6 +266,9 @@ def test_quickstart_vl_trains_through_the_cli_and_generate_answers_about_an_imag
     assert len(losses) == 4 and losses[-1] < losses[0]
     assert "vision tower (model.visual, 2 blocks)" in done.stdout + done.stderr
 
+    assert (
+        tmp_path / "final" / "preprocessor_config.json"
+    ).is_file()  # the export carries its image processor
     done = _cli("generate", str(tmp_path), "--image", str(IMAGE), "--prompt", "What is it?", "-n", "1")
     assert done.returncode == 0, done.stderr[-3000:]
     # The one greedy token, against the exported model's own forward on the prompt the training

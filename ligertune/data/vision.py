@@ -73,6 +73,11 @@ class VisionProcessor:
     min_pixels: int | None = None
     max_pixels: int | None = None
 
+    def save_pretrained(self, directory) -> None:
+        """The tokenizer and the image processor into one folder (an export's), as a hub model has them."""
+        self.tokenizer.save_pretrained(directory)
+        self.image_processor.save_pretrained(directory)
+
     @property
     def image_token_id(self) -> int:
         return self.tokenizer.convert_tokens_to_ids(self.image_token)

@@ -46,6 +46,8 @@ class Data:
     eval_loader: Any | None  # of the validation split; None without one (or too small for the ranks)
     total_steps: int
     eval_skipped: str | None = None  # why a validation split is not evaluated, for the summary
+    # A vision-language model's tokenizer and image processor (`ligertune.data.vision`), exported together.
+    processor: Any | None = None
 
 
 @dataclass
@@ -114,7 +116,7 @@ def build(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> Compo
 def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> Data:
     """Tokenizer, datasets, and the train and validation loaders of this rank."""
     tokenizer = load_tokenizer(recipe)
-    vision = vision_tower(recipe)
+    vision, processor = vision_tower(recipe), None
     if vision is not None:  # images through the model's image processor (ligertune.data.vision)
         processor = load_processor(recipe, vision, tokenizer)
         datasets = build_vision_datasets(recipe, processor, log=log if runtime.is_main else None)
@@ -158,4 +160,4 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
         or math.ceil(training.epochs * loader.batches_per_epoch / training.gradient_accumulation_steps)
         * recipe.objective.updates_per_window()
     )
-    return Data(tokenizer, datasets, loader, eval_loader, total_steps, eval_skipped)
+    return Data(tokenizer, datasets, loader, eval_loader, total_steps, eval_skipped, processor)

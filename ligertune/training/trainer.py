@@ -475,7 +475,7 @@ class Trainer:
                 started = time.perf_counter()
                 export_dir = export_hf(
                     parts.model,
-                    parts.data.tokenizer,
+                    parts.data.processor or parts.data.tokenizer,  # a VLM's image processor goes along
                     self.runtime,
                     recipe.run_dir / "final",
                     merge=recipe.export.merge_lora,
