@@ -50,7 +50,7 @@ class VisionTower:
     class computes the same pixels. ``image_token`` is the placeholder the chat template writes
     once per image and the processor repeats once per merged patch; ``vision_tokens`` are the
     tokens around it, never trained on. ``rope_note`` is what the patch report says of the
-    tower's own rotary embedding, which no kernel of ours computes."""
+    family's rotary embeddings (the language model's multimodal one, the tower's own)."""
 
     tower: str
     projectors: tuple[str, ...]
@@ -109,6 +109,14 @@ def _gemma_like(model_type: str, prefix: str, package: str, **changes) -> Family
     )
 
 
+# Qwen-VL's multimodal RoPE: the rotary module composes the 3-D (temporal, height, width)
+# frequencies into cos/sin, which the language model's RoPE kernel takes as given; parity with HF's
+# own model on image rows is tested (tests/test_vision.py).
+MROPE_NOTE = (
+    "rope: the language model's kernel rotates HF's multimodal 3-D cos/sin as given; the vision "
+    "tower's 2-D RoPE (apply_rotary_pos_emb_vision) is not patched"
+)
+
 FAMILIES: dict[str, Family] = {
     f.model_type: f
     for f in (
@@ -139,7 +147,7 @@ FAMILIES: dict[str, Family] = {
                 image_processor="transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
                 image_token="<|image_pad|>",
                 vision_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
-                rope_note="vision tower: its 2-D RoPE (apply_rotary_pos_emb_vision) is not patched",
+                rope_note=MROPE_NOTE,
             ),
         ),
         # Qwen3-VL: a Qwen3 language model (q_norm/k_norm are Qwen3VLTextRMSNorm) with interleaved
@@ -163,7 +171,7 @@ FAMILIES: dict[str, Family] = {
                 image_processor="transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
                 image_token="<|image_pad|>",
                 vision_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
-                rope_note="vision tower: its 2-D RoPE (apply_rotary_pos_emb_vision) is not patched",
+                rope_note=MROPE_NOTE,
             ),
         ),
     )
