@@ -21,7 +21,7 @@ from ligertune.errors import DataError, RecipeError
 from ligertune.models.build import build_model, freeze, vision_tower
 from ligertune.patching import patch_model
 from ligertune.paths import ASSETS_DIR
-from tests.helpers import ROOT, pythonpath_with_root
+from tests.helpers import ROOT, pythonpath_with_root, run_repo_script
 
 QUICKSTART_VL = ROOT / "recipes" / "quickstart-vl.yaml"
 IMAGE = ASSETS_DIR / "vl_images" / "00.png"
@@ -192,6 +192,11 @@ def test_what_does_not_cover_vision_language_models_says_so(capsys):
     assert result.exit_code == 2 and "vision-language samples are not cached" in result.output
     result = CliRunner().invoke(app, ["validate", str(QUICKSTART_VL), "--check"])
     assert result.exit_code == 2 and "--check does not cover vision-language models yet" in result.output
+
+
+def test_the_bundled_images_and_processor_are_what_their_script_writes():
+    done = run_repo_script("scripts/make_vl_sample.py", "--check")
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_packing_is_refused_with_its_reason():
