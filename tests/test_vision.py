@@ -138,6 +138,52 @@ def test_only_assistant_text_is_trained_and_each_image_gets_its_tokens():
     assert sample["pixel_values"].shape[0] == int(grid.prod())
 
 
+def test_two_turns_with_images_of_two_sizes_train_both_answers_and_expand_in_order(tmp_path):
+    from PIL import Image
+
+    from ligertune.data.vision import encode_row
+
+    Image.open(IMAGE).resize((112, 56)).save(tmp_path / "wide.png")
+    row = {
+        "messages": [
+            {"role": "system", "content": "Answer briefly."},
+            {
+                "role": "user",
+                "content": [{"type": "image", "path": str(IMAGE)}, {"type": "text", "text": "And this?"}],
+            },
+            {"role": "assistant", "content": "A yellow circle."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Now:"}, {"type": "image", "path": "wide.png"}],
+            },
+            {"role": "assistant", "content": "Wider."},
+        ]
+    }
+    recipe = _recipe("data.image_max_pixels=6272")  # 112×56 stays as it is: 8 image tokens, 56×56: 4
+    processor, _ = _data(recipe)
+    sample = encode_row(processor, row, "messages", "row", tmp_path, recipe)
+    tokenizer = processor.tokenizer
+    trained = sample["labels"] != -100
+    # Each answer with its end of turn, nothing else: split where the trained runs are.
+    runs, current = [], []
+    for token, keep in zip(sample["input_ids"].tolist(), trained.tolist(), strict=True):
+        if keep:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    assert runs + ([tokenizer.decode(current)] if current else []) == [
+        "A yellow circle.<|im_end|>\n",
+        "Wider.<|im_end|>\n",
+    ]
+    # The image blocks in text order: 4 tokens for the first image, 8 for the second.
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    blocks = [len(b) for b in "".join("x" if t == pad else " " for t in sample["input_ids"].tolist()).split()]
+    assert blocks == [4, 8]
+    assert sample["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 8]]
+    assert sample["pixel_values"].shape[0] == 16 + 32
+
+
 def test_a_missing_or_broken_image_is_one_line_naming_the_row_or_skipped_and_counted(tmp_path):
     (tmp_path / "broken.png").write_bytes(b"not a png")
     inline = "data:image/png;base64," + base64.b64encode(IMAGE.read_bytes()).decode()
