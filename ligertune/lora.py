@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from ligertune.errors import RecipeError
+from ligertune.models.build import vision_parts
 from ligertune.patching.common import MARK
 from ligertune.patching.losses import fused_head
 
@@ -52,17 +53,26 @@ def is_adapted(model: nn.Module) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
-def linear_names(model: nn.Module) -> list[str]:
+def linear_names(model: nn.Module, skip: set[int] = frozenset()) -> list[str]:
     """The distinct last components of the names of the model's linear layers (q_proj, lm_head,
-    ...): the names ``lora.target_modules`` can use. bitsandbytes' 4/8-bit layers are Linears too."""
-    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
+    ...): the names ``lora.target_modules`` can use. bitsandbytes' 4/8-bit layers are Linears too.
+    Modules whose id is in `skip` (a vision tower's) are left out."""
+    return sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and id(m) not in skip
+        }
+    )
 
 
-def resolve_targets(model: nn.Module, target_modules: str | list[str]) -> list[str]:
+def resolve_targets(
+    model: nn.Module, target_modules: str | list[str], skip: set[int] = frozenset()
+) -> list[str]:
     """``lora.target_modules`` as the list of layer names peft gets. ``all-linear`` is every
     linear layer but the output layer (peft's meaning of the word); each name given must match
     a linear layer, else RecipeError listing the ones that exist."""
-    names = linear_names(model)
+    names = linear_names(model, skip)
     if target_modules == "all-linear":
         output = model.get_output_embeddings()
         output_names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is output}
@@ -108,7 +118,15 @@ def apply_lora(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     lora = recipe.lora
-    targets = resolve_targets(model, lora.target_modules)
+    # A vision-language model's adapters go on its language model only: the names peft matches
+    # by suffix (q_proj, and the merger's "0"/"2") exist in the vision tower too, so its modules
+    # are excluded, and all-linear counts the language model's linear layers only.
+    parts = vision_parts(model)
+    vision = set()
+    if parts is not None:
+        vision = {id(m) for part in ("vision", "projector") for top in parts[part] for m in top.modules()}
+    targets = resolve_targets(model, lora.target_modules, skip=vision)
+    exclude = [n for n, m in model.named_modules() if id(m) in vision] or None
     _check_modules_to_save(model, lora.modules_to_save)
     if recipe.model.quantize != "none":
         dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point)
@@ -126,6 +144,7 @@ def apply_lora(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
         use_rslora=lora.use_rslora,
         bias="none",
         task_type="CAUSAL_LM",
+        exclude_modules=exclude,
     )
     adapted = get_peft_model(model, config, autocast_adapter_dtype=False)
     return adapted, _report(adapted, recipe, targets)

@@ -22,10 +22,14 @@ torch-free catalog); `resolve` imports the modeling module on demand.
 
 A family with other parts keeps to one row: a mixture-of-experts family adds a record of its
 expert and router classes (and how it routes, `Experts`), a vision-language family one of its
-vision tower and projector, each a field of `Family` that is None for the dense text families.
-GPT-OSS differs from the Llama layout twice in ways a kernel sees: its RMSNorm multiplies the
-weight in fp32 before the one cast (the "gemma" casting with offset 0), and its rotary cos/sin
-carry half the rotary width, each value used for both halves (``rope_half_cos``).
+vision tower and projector (`VisionTower`), each a field of `Family` that is None for the dense
+text families. GPT-OSS differs from the Llama layout twice in ways a kernel sees: its RMSNorm
+multiplies the weight in fp32 before the one cast (the "gemma" casting with offset 0), and its
+rotary cos/sin carry half the rotary width, each value used for both halves (``rope_half_cos``).
+For a vision-language family the text fields above name the language model's classes (its
+decoder layer, attention, MLP) and ``causal_lm`` the ``...ForConditionalGeneration`` class that
+holds the lm_head; the vision tower's own RMSNorm is the same class as the language model's
+where the modeling file shares it (Qwen2.5-VL), so ``rms_norm`` patches both.
 """
 
 from __future__ import annotations
@@ -67,6 +71,34 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class VisionTower:
+    """The vision side of a vision-language family: what the kernels, freezing, LoRA and the data
+    pipeline need to know of it.
+
+    ``tower``, ``projectors`` and ``language_model`` are attribute paths from the
+    ``...ForConditionalGeneration`` model; a projector may sit inside the tower (Qwen2.5-VL's
+    merger is ``model.visual.merger``, Qwen3-VL adds its deepstack mergers), and freezing the
+    tower leaves it alone. ``block`` is the vision transformer block (the patch report counts
+    them), ``mlp`` its gated MLP class when it has one (patched like the language model's).
+    ``image_processor`` is the PIL image processor class, by dotted path: transformers 5.17's
+    Auto image and processor classes need torchvision, which a CPU install lacks, and the PIL
+    class computes the same pixels. ``image_token`` is the placeholder the chat template writes
+    once per image and the processor repeats once per merged patch; ``vision_tokens`` are the
+    tokens around it, never trained on. ``rope_note`` is what the patch report says of the
+    family's rotary embeddings (the language model's multimodal one, the tower's own)."""
+
+    tower: str
+    projectors: tuple[str, ...]
+    language_model: str
+    block: str
+    mlp: str | None
+    image_processor: str
+    image_token: str
+    vision_tokens: tuple[str, ...]
+    rope_note: str = ""
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     module: str  # the transformers modeling module holding the classes below
@@ -83,6 +115,7 @@ class Family:
     logit_softcap_attr: str | None = None  # config attribute read at call time (None: no softcap)
     rope_half_cos: bool = False  # GPT-OSS: cos/sin hold half the rotary width, reused for both halves
     experts: Experts | None = None  # mixture-of-experts families only
+    vision: VisionTower | None = None  # a vision-language family's vision tower and projector
 
     def resolve(self, name: str) -> type:
         """The class (or function) called `name` in this family's modeling module."""
@@ -127,6 +160,14 @@ def _qwen_experts(prefix: str, **changes) -> Experts:
     fields.update(changes)
     return Experts(**fields)
 
+
+# Qwen-VL's multimodal RoPE: the rotary module composes the 3-D (temporal, height, width)
+# frequencies into cos/sin, which the language model's RoPE kernel takes as given; parity with HF's
+# own model on image rows is tested (tests/test_vision.py).
+MROPE_NOTE = (
+    "rope: the language model's kernel rotates HF's multimodal 3-D cos/sin as given; the vision "
+    "tower's 2-D RoPE (apply_rotary_pos_emb_vision) is not patched"
+)
 
 FAMILIES: dict[str, Family] = {
     f.model_type: f
@@ -187,6 +228,51 @@ FAMILIES: dict[str, Family] = {
                 routing="topk_softmax",
                 experts_biased=True,
                 expert_activation="clamped_swiglu",
+            ),
+        ),
+        # Qwen2.5-VL: the language model is Qwen2's (its MLP class is Qwen2MLP in this modeling
+        # file); its multimodal 3-D RoPE is computed in the rotary module (mrope_section picks
+        # the temporal, height or width frequency per channel of cos/sin), and the attention then
+        # calls a plain rotate-half `apply_rotary_pos_emb` on those cos/sin: our kernel's math.
+        _llama_like(
+            "qwen2_5_vl",
+            "Qwen2_5_VL",
+            mlp="Qwen2MLP",
+            causal_lm="Qwen2_5_VLForConditionalGeneration",
+            vision=VisionTower(
+                tower="model.visual",
+                projectors=("model.visual.merger",),
+                language_model="model.language_model",
+                block="Qwen2_5_VLVisionBlock",
+                mlp="Qwen2_5_VLMLP",
+                image_processor="transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
+                image_token="<|image_pad|>",
+                vision_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+                rope_note=MROPE_NOTE,
+            ),
+        ),
+        # Qwen3-VL: a Qwen3 language model (q_norm/k_norm are Qwen3VLTextRMSNorm) with interleaved
+        # 3-D RoPE, again composed into cos/sin by the rotary module. Its vision blocks use
+        # nn.LayerNorm (the layer_norm kernel) and an ungated GELU MLP (no kernel of ours); the
+        # deepstack mergers feed vision features into early decoder layers.
+        _llama_like(
+            "qwen3_vl",
+            "Qwen3VL",
+            rms_norm="Qwen3VLTextRMSNorm",
+            decoder_layer="Qwen3VLTextDecoderLayer",
+            attention="Qwen3VLTextAttention",
+            mlp="Qwen3VLTextMLP",
+            causal_lm="Qwen3VLForConditionalGeneration",
+            vision=VisionTower(
+                tower="model.visual",
+                projectors=("model.visual.merger", "model.visual.deepstack_merger_list"),
+                language_model="model.language_model",
+                block="Qwen3VLVisionBlock",
+                mlp=None,
+                image_processor="transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
+                image_token="<|image_pad|>",
+                vision_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
+                rope_note=MROPE_NOTE,
             ),
         ),
     )

@@ -73,6 +73,12 @@ class ModelSection(Section):
         "8bit is LLM.int8(). The embeddings, norms and lm_head stay in the training precision.",
     )
 
+    freeze: list[Literal["vision", "projector", "language_model"]] = Field(
+        default_factory=list,
+        description="Vision-language models: parts whose weights do not train: vision (the vision tower "
+        "without its projector), projector (vision features → language model), language_model.",
+    )
+
     def source_problem(self, key: str) -> str | None:
         """Why this section names no model, or names two (`key`: its dotted place in the recipe)."""
         if (self.name_or_path is None) == (self.config is None):

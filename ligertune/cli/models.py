@@ -37,6 +37,9 @@ def generate(
         "--trust-remote-code",
         help="Let the model's own modeling code (auto_map) run; a recipe in a run directory cannot.",
     ),
+    image: list[Path] = typer.Option(
+        [], "--image", help="An image the prompt is about (vision-language models; repeat for several)."
+    ),
 ) -> None:
     """Complete a prompt with a trained model: a quick sanity check of a run.
 
@@ -61,11 +64,15 @@ def generate(
       ligertune generate runs/quickstart/final --prompt "Once upon a time" --no-chat -n 40
 
       ligertune generate runs/my-chat-run --interactive
+
+      ligertune generate runs/quickstart-vl --image photo.png --prompt "What is in the image?"
     """
     from ligertune.tools.generate import Generator
 
     if prompt is None and not interactive:
         raise usage("give --prompt, or --interactive for a conversation")
+    if image and interactive:
+        raise usage("--image goes with --prompt; --interactive takes text only")
     generator = Generator(run_or_model, format=format, chat=chat, trust_remote_code=trust_remote_code)
     for line in generator.source.passed_over:
         err_console.print(line, markup=False, highlight=False, soft_wrap=True)
@@ -78,7 +85,8 @@ def generate(
     if interactive:
         _converse(generator, prompt, max_new_tokens, temperature)
         return
-    result = generator.complete([{"role": "user", "content": prompt}], max_new_tokens, temperature)
+    images = [str(path) for path in image]
+    result = generator.complete([{"role": "user", "content": prompt}], max_new_tokens, temperature, images)
     _print_completion(result.completion)
 
 

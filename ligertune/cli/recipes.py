@@ -90,9 +90,17 @@ def validate(
             console.print(f"[dim]{escape(note)}[/]", highlight=False, soft_wrap=True)
         console.print(f"[green]✓[/] {escape(file)}", highlight=False, soft_wrap=True)
         if check:
+            from ligertune.models.build import vision_tower
             from ligertune.tools.check import check_recipe
 
             try:
+                if vision_tower(recipe) is not None:
+                    raise RecipeError(
+                        [
+                            "--check does not cover vision-language models yet (docs/vision.md): train a few "
+                            "steps instead (training.max_steps=2), whose start log has the patch report"
+                        ]
+                    )
                 for line in _tokenised_sample(recipe):
                     console.print(line, markup=False, highlight=False, soft_wrap=True)
                 result = check_recipe(recipe)

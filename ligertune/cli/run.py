@@ -139,6 +139,10 @@ def preprocess(
         )
     if not loaded.data.cache:
         raise usage("data.cache is false: set it to true (the default) to keep the tokenised samples")
+    from ligertune.models.build import vision_tower
+
+    if vision_tower(loaded) is not None:
+        raise usage("vision-language samples are not cached (docs/vision.md): there is nothing to preprocess")
     directory, existed = cache_entry(loaded, load_tokenizer(loaded), log=print_line)
     print_line(f"{'already cached' if existed else 'cached'}: {directory}")
 

@@ -193,8 +193,6 @@ def chat_segments(
     """Each row's conversation rendered and split into trained and untrained text (see the
     module docstring); with `train_on_inputs`, the whole conversation trained. `rows` are
     (where the row is, as messages name it; the row)."""
-    from jinja2 import TemplateError
-
     if tokenizer.chat_template is None:
         raise DataError(
             f"data.format {'sharegpt' if options.sharegpt else 'chat'} needs a chat template, and this "
@@ -208,24 +206,39 @@ def chat_segments(
                 f"{where}: the conversation starts with an assistant turn, which has no prompt to be the "
                 "answer to; start it with a user or system message, or set data.train_on_inputs: true"
             )
-        try:
-            if train_on_inputs:
-                segments = [(_render(tokenizer, messages), True)]
-            elif (
-                "{% generation %}" in tokenizer.chat_template
-                or "{%- generation %}" in tokenizer.chat_template
-            ):
-                segments = _marked(tokenizer, messages)
-            else:
-                segments = _by_prefix(tokenizer, messages) or _by_content(tokenizer, messages, where)
-        except DataError:
-            raise
-        except (TemplateError, ValueError) as e:  # the template's own raise_exception, or transformers'
-            raise DataError(f"{where}: the chat template rejected the conversation: {e}") from None
+        segments = template_segments(tokenizer, messages, where, train_on_inputs)
         if options.think_blocks == "mask":
             segments = _mask_think(segments)
         samples.append(segments)
     return samples
+
+
+def template_segments(tokenizer, messages: list[dict], where: str, train_on_inputs: bool) -> Segments:
+    """One conversation rendered by the chat template and split into trained and untrained text
+    (the module docstring's three ways). Messages whose content is a list of parts (text and
+    images, `ligertune.data.vision`) need generation markers or a prefix-stable template: the
+    content search looks for text as written."""
+    from jinja2 import TemplateError
+
+    try:
+        if train_on_inputs:
+            return [(_render(tokenizer, messages), True)]
+        if "{% generation %}" in tokenizer.chat_template or "{%- generation %}" in tokenizer.chat_template:
+            return _marked(tokenizer, messages)
+        segments = _by_prefix(tokenizer, messages)
+        if segments is not None:
+            return segments
+        if any(not isinstance(m["content"], str) for m in messages):
+            raise DataError(
+                f"{where}: the chat template renders earlier turns differently once later ones are added, "
+                "so the assistant turns of a conversation with images cannot be found; use a template with "
+                "{% generation %} markers (tokenizer.chat_template)"
+            )
+        return _by_content(tokenizer, messages, where)
+    except DataError:
+        raise
+    except (TemplateError, ValueError) as e:  # the template's own raise_exception, or transformers'
+        raise DataError(f"{where}: the chat template rejected the conversation: {e}") from None
 
 
 def _render(

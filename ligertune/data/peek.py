@@ -32,6 +32,7 @@ from ligertune.data.formats import (
     pretokenized_samples,
     prompt_completion_segments,
 )
+from ligertune.data.images import BadImage, has_image_parts, read_conversation
 from ligertune.data.local import file_builder, split_files, text_rows
 from ligertune.data.sources import SourceSpec, source_specs
 from ligertune.errors import DataError
@@ -109,7 +110,9 @@ def mapped(rows: list[dict], columns: list[str], spec: SourceSpec, name: str) ->
     ]
 
 
-def check_rows(spec: SourceSpec, rows: list[dict], name: str, think_blocks: str = "keep") -> None:
+def check_rows(
+    spec: SourceSpec, rows: list[dict], name: str, think_blocks: str = "keep", skip_bad_images: bool = False
+) -> None:
     """The format's own per-row checks that need no tokenizer (DataError naming the row)."""
     fmt = canonical_format(spec.format)
     named = [(f"{name}, row {index}", row) for index, row in enumerate(rows)]
@@ -122,8 +125,16 @@ def check_rows(spec: SourceSpec, rows: list[dict], name: str, think_blocks: str 
     elif fmt in ("chat", "sharegpt"):
         field = spec.messages_field or default_messages_field(fmt)
         options = chat_options(fmt, spec.columns, spec.roles, think_blocks)
+        base = None if spec.local is None else (spec.local if spec.local.is_dir() else spec.local.parent)
         for where, row in named:
-            read_messages(row[field], field, where, options)
+            if has_image_parts(row[field]):  # a vision-language row: its parts and images, opened
+                try:
+                    read_conversation(row[field], where, base, row.get("images") or [])
+                except BadImage as e:
+                    if not skip_bad_images:
+                        raise DataError(f"{where}: {e}; fix it, or set data.skip_bad_images: true") from None
+            else:
+                read_messages(row[field], field, where, options)
     elif fmt == "kto":
         for where, row in named:
             kto_label(row, where)
@@ -143,7 +154,7 @@ def data_problems(recipe: Recipe) -> tuple[list[str], list[str]]:
             rows, columns, name = first_rows(spec, spec.split)
             rows, columns = mapped(rows, columns, spec, name)
             check_columns(spec.format, columns, name, spec.messages_field)
-            check_rows(spec, rows, name, recipe.data.think_blocks)
+            check_rows(spec, rows, name, recipe.data.think_blocks, recipe.data.skip_bad_images)
         except DataError as e:
             problems.append(str(e))
     return problems, notes

@@ -3,7 +3,9 @@
 Two sources (the recipe validator guarantees exactly one is set):
 
 - ``model.name_or_path``: pretrained weights from a hub id or a local directory, loaded with
-  ``AutoModelForCausalLM.from_pretrained`` in the parameter dtype of the chosen precision.
+  ``AutoModelForCausalLM.from_pretrained`` in the parameter dtype of the chosen precision
+  (``AutoModelForImageTextToText`` for a vision-language family of the family table: the
+  ``...ForConditionalGeneration`` model, vision tower, projector and language model together).
 - ``model.config``: a random-init architecture, either a shipped name
   (`ligertune.catalog.architectures.SHIPPED_CONFIGS`) or a transformers config mapping with ``model_type``;
   used for benchmarks and offline runs. Initialisation is seeded by the recipe seed.
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ligertune.catalog.families import FAMILIES
+from ligertune.catalog.families import FAMILIES, VisionTower
 from ligertune.errors import RecipeError
 from ligertune.models.attention import choose_attention, unsupported_backends
 from ligertune.models.config import build_config, load_problem, model_source
@@ -48,9 +50,8 @@ def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
     sharded strategies use it (``parallel.sharded_init``) to shard the model before any rank
     holds it whole, then fill the shards (`ligertune.distributed.fsdp`). `device` still
     decides the attention backend, so the empty model is the one a plain build would make."""
-    from transformers import AutoModelForCausalLM
-
     config = build_config(recipe)
+    auto = auto_class(config)
     dtype = param_dtype(recipe.training.precision)
     attention, _ = choose_attention(
         recipe.model.attn_implementation, device.type == "cuda", recipe.data.packing, config
@@ -68,7 +69,7 @@ def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
         model = _build_quantized(recipe, config, device, common)
     elif empty:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, **common)
+            model = auto.from_config(config, **common)
     elif recipe.model.config is None:
         from transformers.integrations import is_deepspeed_zero3_enabled
 
@@ -76,7 +77,7 @@ def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
         # the weights go; transformers refuses a device_map there.
         placement = {} if is_deepspeed_zero3_enabled() else dict(device_map=str(device))
         try:
-            model = AutoModelForCausalLM.from_pretrained(
+            model = auto.from_pretrained(
                 model_source(recipe),
                 config=config,
                 revision=recipe.model.revision,
@@ -89,11 +90,14 @@ def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
     else:
         torch.manual_seed(recipe.seed)
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, **common)
+            model = auto.from_config(config, **common)
     # Training never decodes. More than memory is at stake: with a cache, transformers 5.17
     # builds a plain causal mask and skips the packed-sequence detection from position ids,
     # so packed samples would attend to each other.
     model.config.use_cache = False
+    text_config = getattr(model.config, "text_config", None)  # a vision-language model's language model
+    if text_config is not None:
+        text_config.use_cache = False
     _check_loss_kwargs(model)
     return model
 
@@ -114,6 +118,67 @@ def trainable_prequantized(config) -> dict:
     from transformers import Mxfp4Config
 
     return {"quantization_config": Mxfp4Config(dequantize=True)}
+
+
+def auto_class(config) -> type:
+    """``AutoModelForImageTextToText`` for a vision-language family (`Family.vision`), else
+    ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    return AutoModelForImageTextToText if family is not None and family.vision else AutoModelForCausalLM
+
+
+def vision_tower(recipe: Recipe) -> VisionTower | None:
+    """The recipe's model's vision tower record (`Family.vision`), None for a text model. Reads
+    the config only (`ligertune.models.config.build_config`: no weights)."""
+    family = FAMILIES.get(getattr(build_config(recipe), "model_type", None))
+    return family.vision if family is not None else None
+
+
+# The parts of a vision-language model `model.freeze` names, and what each is.
+FREEZABLE = {
+    "vision": "the vision tower without its projector",
+    "projector": "the projector (merger) from vision features to the language model",
+    "language_model": "the language model's decoder (embeddings, layers, final norm; not the lm_head)",
+}
+
+
+def vision_parts(model: nn.Module) -> dict[str, list[nn.Module]] | None:
+    """The `FREEZABLE` parts of a vision-language model, by name, or None for a text model."""
+    family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    if family is None or family.vision is None:
+        return None
+    v = family.vision
+    return {
+        "vision": [model.get_submodule(v.tower)],
+        "projector": [model.get_submodule(path) for path in v.projectors],
+        "language_model": [model.get_submodule(v.language_model)],
+    }
+
+
+def freeze(model: nn.Module, parts: list[str]) -> str:
+    """``model.freeze``: the named parts' parameters stop requiring grad (the optimizer takes
+    only what requires grad). The projector may sit inside the vision tower (Qwen2.5-VL's
+    merger): freezing ``vision`` leaves it trainable. Returns a line for the run log."""
+    found = vision_parts(model)
+    if found is None:
+        raise RecipeError(
+            [
+                f"model.freeze: {type(model).__name__} is not a vision-language model of the family table; remove model.freeze"
+            ]
+        )
+    keep = {
+        id(p) for part, modules in found.items() if part not in parts for m in modules for p in m.parameters()
+    }
+    frozen = 0
+    for part in parts:
+        for param in (p for m in found[part] for p in m.parameters()):
+            if id(param) not in keep and param.requires_grad:
+                param.requires_grad_(False)
+                frozen += param.numel()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return f"frozen: {', '.join(parts)} ({frozen:,} parameters); {trainable:,} parameters train"
 
 
 def quantization_config(quantize: str):
@@ -145,25 +210,24 @@ def _build_quantized(recipe: Recipe, config, device: torch.device, common: dict)
     to 4 or 8 bits (at 8B that is ~16 GB of temporary disk per process and half a minute)."""
     import tempfile
 
-    from transformers import AutoModelForCausalLM
-
+    auto = auto_class(config)
     load = dict(
         common, quantization_config=quantization_config(recipe.model.quantize), device_map=str(device)
     )
     if recipe.model.config is None:
         try:
-            return AutoModelForCausalLM.from_pretrained(
+            return auto.from_pretrained(
                 model_source(recipe), config=config, revision=recipe.model.revision, **load
             )
         except OSError as e:
             raise load_problem(recipe, "weights", e) from None
     torch.manual_seed(recipe.seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, **common)
+        model = auto.from_config(config, **common)
     with tempfile.TemporaryDirectory(prefix="ligertune-quantize-") as tmp:
         model.save_pretrained(tmp)
         del model
-        return AutoModelForCausalLM.from_pretrained(tmp, **load)
+        return auto.from_pretrained(tmp, **load)
 
 
 def _check_loss_kwargs(model: nn.Module) -> None:
@@ -171,6 +235,12 @@ def _check_loss_kwargs(model: nn.Module) -> None:
     forward to its loss function; a model that drops it would silently average per
     micro-batch instead, so refuse it."""
     accepts = getattr(model, "accepts_loss_kwargs", None)
+    family = FAMILIES.get(getattr(model.config, "model_type", None))
+    if family is not None and family.vision is not None:
+        # Qwen2.5-VL's class says False (for transformers' Trainer), yet in 5.17 its forward hands
+        # **kwargs, num_items_in_batch included, to its loss function; tests/test_vision.py checks
+        # the sum / num_items_in_batch normalisation. Judge by the signature.
+        accepts = None
     if accepts is None:
         params = inspect.signature(model.forward).parameters.values()
         accepts = any(p.kind is p.VAR_KEYWORD or p.name == "num_items_in_batch" for p in params)

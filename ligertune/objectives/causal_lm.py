@@ -43,7 +43,17 @@ from ligertune.catalog.objectives.sft import SFTOptions
 from ligertune.data.formats import IGNORE_INDEX
 from ligertune.objectives.base import Batch, Building, Objective, ObjectiveOutput
 
-MODEL_INPUTS = ("input_ids", "labels", "position_ids", "attention_mask")
+# The last three are a vision-language model's (ligertune.data.vision): its images and which
+# tokens are image tokens (from which it computes its 3-D rotary positions).
+MODEL_INPUTS = (
+    "input_ids",
+    "labels",
+    "position_ids",
+    "attention_mask",
+    "pixel_values",
+    "image_grid_thw",
+    "mm_token_type_ids",
+)
 
 
 def count_label_tokens(labels: torch.Tensor) -> int:

@@ -16,14 +16,15 @@ kernel's function. ``rope`` and the fused loss need a family entry.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping
 
 from torch import nn
 
-from ligertune.catalog.families import FAMILIES
+from ligertune.catalog.families import FAMILIES, VisionTower
 from ligertune.catalog.kernels import DEFAULT_KERNELS, KERNEL_NAMES, KERNELS, conflicts, kernel
 from ligertune.patching import losses, mlp, norms, rope  # noqa: F401 - each registers its patches
-from ligertune.patching.common import PATCHES, Patcher
+from ligertune.patching.common import MARK, PATCHES, Patcher, is_marked
 from ligertune.patching.report import PatchReport
 
 KernelSelection = Mapping[str, bool] | str | None
@@ -92,4 +93,25 @@ def patch_model(model: nn.Module, kernels: KernelSelection = None) -> PatchRepor
             patcher.skip(entry.name, "off in the recipe")
     if family is None and report.total == 0 and not report.already_patched:
         report.notes.append("none of the enabled kernels applies to this model")
+    if family is not None and family.vision is not None:
+        report.notes.append(_where_applied(model, family.vision))
     return report
+
+
+def _where_applied(model: nn.Module, vision: VisionTower) -> str:
+    """A vision-language model's patched modules, split into vision tower and language model
+    (the ForConditionalGeneration module that holds the fused loss counts as the latter)."""
+    sides: dict[str, Counter] = {"vision tower": Counter(), "language model": Counter()}
+    head = getattr(model, "lm_head", None)  # marked with the causal LM, whose forward owns the loss
+    for name, module in model.named_modules():
+        if is_marked(module) and module is not head:
+            inside = name == vision.tower or name.startswith(vision.tower + ".")
+            sides["vision tower" if inside else "language model"][module.__dict__[MARK]] += 1
+    blocks = sum(type(m).__name__ == vision.block for m in model.modules())
+    where = {"vision tower": f"{vision.tower}, {blocks} blocks", "language model": vision.language_model}
+    parts = [
+        f"{side} ({where[side]}): "
+        + (", ".join(f"{kernel} {n}" for kernel, n in counts.items()) or "nothing patched")
+        for side, counts in sides.items()
+    ]
+    return "; ".join(parts) + f"; {vision.rope_note}"

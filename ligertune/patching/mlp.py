@@ -79,17 +79,22 @@ def _gated_mlps(patcher: Patcher) -> tuple[dict[str, list], list[tuple[str, str]
     if f is not None and f.mlp is None:
         return found, failures, "dense MLPs (this family's feed-forward layers are all routed experts)"
     if f is not None:
-        body = _fused_gated_mlp_forward if f.mlp_fused_gate_up else _gated_mlp_forward
-        for name, module in patcher.family_instances(f.mlp):
-            act = getattr(module, f.mlp_act_attr, None)
-            activation = activation_of(act)
-            if activation is None:
-                failures.append((name, f"activation {type(act).__name__} has no fused kernel"))
-            else:
-                found[GATED_KERNELS[activation]].append(
-                    (module, partial_forward(body, activation=activation))
-                )
-        return found, failures, f"{f.mlp} modules"
+        # The language model's MLP, and the vision blocks' gated MLP when there is one (its
+        # projections separate, with biases, which the forward calls as modules).
+        bodies = {f.mlp: _fused_gated_mlp_forward if f.mlp_fused_gate_up else _gated_mlp_forward}
+        if f.vision is not None and f.vision.mlp:
+            bodies[f.vision.mlp] = _gated_mlp_forward
+        for cls, body in bodies.items():
+            for name, module in patcher.family_instances(cls):
+                act = getattr(module, f.mlp_act_attr, None)
+                activation = activation_of(act)
+                if activation is None:
+                    failures.append((name, f"activation {type(act).__name__} has no fused kernel"))
+                else:
+                    found[GATED_KERNELS[activation]].append(
+                        (module, partial_forward(body, activation=activation))
+                    )
+        return found, failures, f"{' or '.join(bodies)} modules"
     for name, module in patcher.model.named_modules():
         if not hasattr(module, "gate_proj"):
             continue

@@ -47,14 +47,17 @@ import torch
 import yaml
 from torch import nn
 
+from ligertune.catalog.families import FAMILIES
 from ligertune.config import load_recipe
 from ligertune.data import load_tokenizer
 from ligertune.data.chat import stop_tokens
 from ligertune.data.formats import alpaca_prompt, canonical_format
+from ligertune.data.images import BadImage, open_image
+from ligertune.data.vision import VisionProcessor, load_processor, processor_from, prompt_inputs
 from ligertune.distributed import Runtime
 from ligertune.distributed.runtime import load_trainable_state
 from ligertune.errors import DataError, RecipeError, UsageError
-from ligertune.models.build import build_model
+from ligertune.models.build import auto_class, build_model
 from ligertune.run.checkpoint import CheckpointManager, load_checkpoint
 from ligertune.run.manifest import DamagedCheckpoint
 from ligertune.tools.adapters import (
@@ -158,11 +161,12 @@ def load_for_generation(
             raise GenerateError(f"{e}{_remote_code_hint(e, trust_remote_code)}") from None
         model = model.to(device)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(source.model, trust_remote_code=trust_remote_code)
-            model = AutoModelForCausalLM.from_pretrained(
+            config = AutoConfig.from_pretrained(source.model, trust_remote_code=trust_remote_code)
+            model = auto_class(config).from_pretrained(
                 source.model,
                 dtype="auto" if device.type == "cuda" else torch.float32,
                 device_map=str(device),
@@ -174,6 +178,8 @@ def load_for_generation(
                 "(a hub id needs hub access or a copy in the cache: `ligertune download`)"
             ) from None
     model.config.use_cache = True
+    if getattr(model.config, "text_config", None) is not None:  # training turned both off (build_model)
+        model.config.text_config.use_cache = True
     return model.eval(), tokenizer
 
 
@@ -294,15 +300,51 @@ class Generator:
         last = messages[-1]["content"]
         return (alpaca_prompt(last) if self.format == "alpaca" else last), True
 
+    def vision_processor(self) -> VisionProcessor:
+        """A vision-language model's image processor: from its run's recipe (the tokenizer's
+        source, as training loaded it), else from the model folder or hub id itself."""
+        family = FAMILIES.get(getattr(self.model.config, "model_type", None))
+        if family is None or family.vision is None:
+            raise GenerateError(f"--image: {type(self.model).__name__} is not a vision-language model")
+        try:
+            if self.source.recipe is not None and self.source.recipe.is_file():
+                recipe = load_recipe(self.source.recipe, rebuild_overrides(False))
+                return load_processor(recipe, family.vision, self.tokenizer)
+            return processor_from(self.source.model, family.vision, self.tokenizer, "the model")
+        except (RecipeError, DataError) as e:
+            raise GenerateError(
+                f"--image: {'; '.join(e.problems) if isinstance(e, RecipeError) else e}"
+            ) from None
+
     def complete(
-        self, messages: list[dict], max_new_tokens: int = 128, temperature: float = 0.0
+        self,
+        messages: list[dict],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        images: list[str] = (),
     ) -> Generation:
+        """The model's answer to `messages`; `images` (paths) go before the last message's text."""
         if max_new_tokens <= 0:
             raise GenerateError(f"--max-new-tokens must be positive, got {max_new_tokens}")
         if temperature < 0:
             raise GenerateError(f"--temperature must be 0 (greedy) or positive, got {temperature}")
-        text, special = self.render(messages)
-        encoded = self.tokenizer(text, return_tensors="pt", add_special_tokens=special)
+        if images:
+            if self.format != "chat":
+                raise GenerateError(
+                    f"--image needs the chat template (--format chat), not --format {self.format}"
+                )
+            processor = self.vision_processor()
+            try:
+                opened = [open_image({"path": path}, None, [], 0) for path in images]
+            except BadImage as e:
+                raise GenerateError(f"--image: {e}") from None
+            parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": messages[-1]["content"]}]
+            messages = [*messages[:-1], {"role": messages[-1]["role"], "content": parts}]
+            encoded = prompt_inputs(processor, messages, opened)
+            text = self.tokenizer.decode(encoded["input_ids"][0])
+        else:
+            text, special = self.render(messages)
+            encoded = self.tokenizer(text, return_tensors="pt", add_special_tokens=special)
         encoded = {k: v.to(self.device) for k, v in encoded.items()}
         sampling = dict(do_sample=True, temperature=temperature) if temperature > 0 else dict(do_sample=False)
         tokenizer = self.tokenizer

@@ -26,8 +26,9 @@ from torch import nn
 from ligertune.config import Recipe
 from ligertune.data import build_datasets, load_tokenizer
 from ligertune.data.loader import loader_class
+from ligertune.data.vision import build_vision_datasets, load_processor
 from ligertune.distributed import Runtime
-from ligertune.models.build import build_model, check_vocab
+from ligertune.models.build import build_model, check_vocab, vision_tower
 from ligertune.models.shape import model_shape
 from ligertune.objectives import Objective, build_objective
 from ligertune.run.metrics import count_label
@@ -45,6 +46,8 @@ class Data:
     eval_loader: Any | None  # of the validation split; None without one (or too small for the ranks)
     total_steps: int
     eval_skipped: str | None = None  # why a validation split is not evaluated, for the summary
+    # A vision-language model's tokenizer and image processor (`ligertune.data.vision`), exported together.
+    processor: Any | None = None
 
 
 @dataclass
@@ -115,7 +118,14 @@ def build(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> Compo
 def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> Data:
     """Tokenizer, datasets, and the train and validation loaders of this rank."""
     tokenizer = load_tokenizer(recipe)
-    datasets = build_datasets(recipe, tokenizer, is_main=runtime.is_main, barrier=runtime.barrier, log=log)
+    vision, processor = vision_tower(recipe), None
+    if vision is not None:  # images through the model's image processor (ligertune.data.vision)
+        processor = load_processor(recipe, vision, tokenizer)
+        datasets = build_vision_datasets(recipe, processor, log=log if runtime.is_main else None)
+    else:
+        datasets = build_datasets(
+            recipe, tokenizer, is_main=runtime.is_main, barrier=runtime.barrier, log=log
+        )
     loader_args = dict(
         seed=recipe.seed,
         pad_token_id=tokenizer.pad_token_id,
@@ -152,4 +162,4 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
         or math.ceil(training.epochs * loader.batches_per_epoch / training.gradient_accumulation_steps)
         * recipe.objective.updates_per_window()
     )
-    return Data(tokenizer, datasets, loader, eval_loader, total_steps, eval_skipped)
+    return Data(tokenizer, datasets, loader, eval_loader, total_steps, eval_skipped, processor)

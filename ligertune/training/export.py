@@ -16,6 +16,7 @@ from ligertune.distributed import Runtime
 from ligertune.errors import TrainingError
 from ligertune.files import describe_os_error
 from ligertune.lora import is_adapted, merged_state_dict, save_adapter
+from ligertune.models.build import auto_class
 from ligertune.run.checkpoint import atomic_directory
 
 
@@ -95,7 +96,6 @@ def _export_lora(
     strictly into a fresh model of the base's config first, so a key that is not a plain model's
     fails here and not at the user's load. Without quantisation config: the merged model is
     written in the training dtype (bf16 for a 4-bit base, dequantised)."""
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     if runtime.is_main:
@@ -113,7 +113,7 @@ def _export_lora(
                     del config.quantization_config
                 merged = merged_state_dict(peft_model, state)
                 with torch.device("meta"):
-                    plain = AutoModelForCausalLM.from_config(config)
+                    plain = auto_class(config).from_config(config)
                 plain.load_state_dict(merged, strict=True, assign=True)
                 plain.tie_weights()
                 with atomic_directory(merged_directory(directory)) as tmp:

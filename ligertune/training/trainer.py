@@ -463,7 +463,9 @@ class Trainer:
             if parts.data.eval_loader is not None and not (eval_every and state.step % eval_every == 0):
                 progress.eval_loss = self._evaluate()
             if recipe.checkpoint.export_hf:
-                export_dir = export_run(parts.model, parts.data.tokenizer, self.runtime, recipe, self.log)
+                export_dir = export_run(
+                    parts.model, parts.data.processor or parts.data.tokenizer, self.runtime, recipe, self.log
+                )  # a VLM's image processor goes along
             if recipe.eval.tasks and self.metrics is not None:  # the main rank scores its whole model
                 task_scores = self._score_tasks()
         if self.metrics is not None:

@@ -106,6 +106,25 @@ class DataSection(Section):
     cache: bool = Field(
         True, description="Keep the tokenised samples on disk and reuse them while the inputs are unchanged."
     )
+    image_min_pixels: int | None = Field(
+        None,
+        gt=0,
+        le=2**26,
+        description="Vision-language models: images smaller than this many pixels are scaled up to it "
+        "(default: the image processor's min_pixels).",
+    )
+    image_max_pixels: int | None = Field(
+        None,
+        gt=0,
+        le=2**26,
+        description="Vision-language models: images larger than this many pixels are scaled down to it "
+        "(default: the image processor's max_pixels); fewer pixels, fewer image tokens.",
+    )
+    skip_bad_images: bool = Field(
+        False,
+        description="Vision-language models: leave out (and count) rows whose image is missing or "
+        "unreadable, instead of stopping at the first one.",
+    )
     cache_dir: str | None = Field(
         None,
         description="Where tokenised samples are cached (default: $LIGERTUNE_DATA_CACHE, else "

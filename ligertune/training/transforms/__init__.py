@@ -1,6 +1,6 @@
 """The ordered list of model transforms: what happens to the built model before it is wrapped.
 
-    build_model → attention → kernels → plugins → lora → fp8 → activation checkpointing → compile → runtime.wrap
+    build_model → attention → kernels → plugins → freeze → lora → fp8 → activation checkpointing → compile → runtime.wrap
 
 Each `ModelTransform` says when it applies and what it does; `apply_transforms` runs them in
 `TRANSFORMS` order and returns the model (a transform may return a new one, as an adapter
@@ -31,7 +31,7 @@ from ligertune.config import Recipe
 from ligertune.errors import RecipeError
 from ligertune.lora import apply_lora
 from ligertune.models.attention import choose_attention, install_document_mask
-from ligertune.models.build import decoder_layers
+from ligertune.models.build import decoder_layers, freeze
 from ligertune.patching import PatchReport, patch_model
 from ligertune.patching.liger import apply_liger
 from ligertune.training.transforms.checkpointing import checkpoint_submodules
@@ -86,6 +86,12 @@ def _plugins(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
         returned = plugin_function(name)(model, recipe)
         model = model if returned is None else returned
     return model, f"plugins applied: {', '.join(recipe.plugins)}"
+
+
+def _freeze(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
+    """``model.freeze``: parts of a vision-language model that do not train (`ligertune.models.build.freeze`).
+    Before lora, which freezes every base weight anyway and adapts the language model only."""
+    return model, freeze(model, recipe.model.freeze)
 
 
 def _lora(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
@@ -201,6 +207,7 @@ TRANSFORMS: tuple[ModelTransform, ...] = (
     ModelTransform("attention", lambda r: True, _attention),
     ModelTransform("kernels", lambda r: bool(r.kernels.enabled()), _kernels),
     ModelTransform("plugins", lambda r: bool(r.plugins), _plugins),
+    ModelTransform("freeze", lambda r: bool(r.model.freeze), _freeze),
     ModelTransform("lora", lambda r: r.lora is not None, _lora),
     ModelTransform("fp8", lambda r: r.training.fp8 != "none", _fp8),
     ModelTransform(

@@ -1,0 +1,346 @@
+"""Conversations with images → samples for a vision-language model (issue #32).
+
+A row is a ``messages`` conversation (``data.format: chat``) whose message ``content`` is text or
+a list of parts: ``{"type": "text", "text": ...}`` and ``{"type": "image", ...}`` with the image
+as ``path`` (relative to the data file's folder, or absolute), a base64 ``data:`` URI (in
+``url`` or ``image``), or nothing, for a hub dataset whose row holds the decoded images in an
+``images`` column (taken in order). ``http(s)`` URLs are refused: runs are offline, and a
+fetch in the middle of tokenising would make the data depend on the network.
+
+Each sample is built in four steps, all with the model's own tools:
+
+1. the images are opened with PIL (RGB) and run through the family's image processor, resized
+   to between ``data.image_min_pixels`` and ``data.image_max_pixels`` pixels (the processor's own
+   bounds when unset): ``pixel_values`` (one row per patch) and ``image_grid_thw``;
+2. the conversation is rendered by the tokenizer's chat template, which writes one image
+   placeholder per image, and split into trained and untrained text like a text conversation
+   (`ligertune.data.chat.template_segments`: only assistant turns, with their end-of-turn token);
+3. each placeholder is repeated once per merged patch of its image (``t·h·w / merge²``), as the
+   model's processor does (`expand_placeholders`: transformers 5.17's processor classes need a
+   video processor and torchvision, which a CPU install lacks; this is the one step of theirs
+   we repeat);
+4. the segments are tokenised; labels are −100 outside assistant text and on every vision token
+   (image pads, vision start/end), and ``mm_token_type_ids`` marks the image tokens (1), from
+   which the model computes its 3-D rotary positions.
+
+A sample longer than ``data.max_seq_len`` is dropped and counted, not cut: a cut through an
+image's tokens would leave the model more image features than placeholders. A broken or
+missing image stops with one line naming the row and the image, or, with
+``data.skip_bad_images: true``, its row is left out and counted. Rows are padded into
+micro-batches (`VisionLoader`); packing is refused (`data_problem`), and the samples are
+not cached on disk (the pixel values are many times the size of the image files; decoding and
+resizing a row is cheap next to a forward of the vision tower).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ligertune.catalog.families import VisionTower
+from ligertune.data.chat import template_segments
+from ligertune.data.formats import IGNORE_INDEX, default_messages_field
+from ligertune.data.images import BadImage, read_conversation
+from ligertune.data.loader import MicroBatchLoader
+from ligertune.data.prepared import DataStats, Log, PreparedData
+from ligertune.data.sources import load_split, source_specs
+from ligertune.errors import DataError, RecipeError
+from ligertune.paths import looks_local
+
+if TYPE_CHECKING:
+    from ligertune.config import Recipe
+
+HOLDOUT_STREAM, SHUFFLE_STREAM = 1, 0  # as the text pipeline draws them (ligertune.data.pipeline)
+
+
+@dataclass
+class VisionProcessor:
+    """The tokenizer and the image processor of a vision-language model, its image tokens, and
+    the resize bounds the run trains with (``data.image_min_pixels`` / ``image_max_pixels``;
+    None: the image processor's own), which generation then uses too."""
+
+    tokenizer: Any
+    image_processor: Any
+    image_token: str
+    vision_ids: frozenset[int]  # never trained: image and video pads, vision start and end
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+
+    def save_pretrained(self, directory) -> None:
+        """The tokenizer and the image processor into one folder (an export's), as a hub model has them."""
+        self.tokenizer.save_pretrained(directory)
+        self.image_processor.save_pretrained(directory)
+
+    @property
+    def image_token_id(self) -> int:
+        return self.tokenizer.convert_tokens_to_ids(self.image_token)
+
+    def images(self, images: list) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """(pixel_values and image_grid_thw, each image's count of placeholder tokens: one per
+        merged patch, ``t·h·w / merge²``)."""
+        if not images:
+            return {}, []
+        bounds = {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v}
+        vision = dict(self.image_processor(images=images, return_tensors="pt", **bounds))
+        merge = self.image_processor.merge_size
+        return vision, [int(grid.prod()) // merge**2 for grid in vision["image_grid_thw"]]
+
+
+def load_processor(recipe: Recipe, vision: VisionTower, tokenizer) -> VisionProcessor:
+    """The recipe's image processor, from the tokenizer's source (its ``preprocessor_config.json``),
+    with the tokenizer `load_tokenizer` loaded."""
+    source = recipe.tokenizer.name_or_path or recipe.model.name_or_path
+    key = "tokenizer.name_or_path" if recipe.tokenizer.name_or_path else "model.name_or_path"
+    location = str(recipe.resolve(source)) if looks_local(source) else source
+    processor = processor_from(location, vision, tokenizer, key)
+    processor.min_pixels, processor.max_pixels = recipe.data.image_min_pixels, recipe.data.image_max_pixels
+    return processor
+
+
+def processor_from(location: str, vision: VisionTower, tokenizer, key: str) -> VisionProcessor:
+    """The family's image processor from `location` (a folder or hub id); its vision tokens must
+    be in the tokenizer's vocabulary. Errors name `key`, where the location came from."""
+    module, _, name = vision.image_processor.rpartition(".")
+    try:
+        image_processor = getattr(importlib.import_module(module), name).from_pretrained(location)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{key}: cannot load an image processor from {location}: {first}") from None
+    unknown = (None, tokenizer.unk_token_id)
+    missing = [t for t in vision.vision_tokens if tokenizer.convert_tokens_to_ids(t) in unknown]
+    if missing:
+        raise DataError(f"{key}: the tokenizer at {location} lacks the vision tokens {', '.join(missing)}")
+    ids = frozenset(tokenizer.convert_tokens_to_ids(t) for t in vision.vision_tokens)
+    return VisionProcessor(tokenizer, image_processor, vision.image_token, ids)
+
+
+def prompt_inputs(processor: VisionProcessor, messages: list[dict], images: list) -> dict[str, torch.Tensor]:
+    """A conversation with images as the model's inputs for generation ([1, S] and the images),
+    the chat template's generation prompt at its end; placeholders expanded as in training."""
+    text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    vision, counts = processor.images(images)
+    [(text, _)] = expand_placeholders([(text, False)], processor.image_token, counts, "--image")
+    ids = torch.tensor([processor.tokenizer(text, add_special_tokens=False)["input_ids"]])
+    return {
+        "input_ids": ids,
+        "attention_mask": torch.ones_like(ids),
+        "mm_token_type_ids": (ids == processor.image_token_id).to(torch.int64),
+        **vision,
+    }
+
+
+def data_problem(recipe: Recipe) -> str | None:
+    """Why this recipe's data cannot go to a vision-language model as it is, or None."""
+    data = recipe.data
+    if data.packing:
+        return (
+            "data.packing: rows with images are padded, not packed (the model computes its 3-D rotary "
+            "positions per row from the image tokens, which packed samples would share); set data.packing: false"
+        )
+    if data.streaming:
+        return "data.streaming: not supported for vision-language models yet; set data.streaming: false"
+    if data.roles or {"role", "content"} & set(data.columns):
+        return "data.roles, data.columns.role/content: not supported for rows with images yet; use role and content"
+    if data.think_blocks != "keep":
+        return "data.think_blocks: only keep is supported for rows with images yet"
+    if data.format != "chat":
+        return f"data.format: {data.format}: a vision-language model trains on chat (messages) rows with image parts"
+    return None
+
+
+def expand_placeholders(segments, image_token: str, counts: list[int], where: str):
+    """Each image placeholder in the rendered text repeated `counts[i]` times (one per merged
+    patch of image i), as the model's processor does."""
+    found = sum(text.count(image_token) for text, _ in segments)
+    if found != len(counts):
+        raise DataError(
+            f"{where}: the chat template wrote {found} image placeholder(s) {image_token} for {len(counts)} image(s); "
+            "use the model's chat template"
+        )
+    left = iter(counts)
+    out = []
+    for text, trained in segments:
+        pieces = text.split(image_token)
+        expanded = pieces[0] + "".join(image_token * next(left) + piece for piece in pieces[1:])
+        out.append((expanded, trained))
+    return out
+
+
+def encode_row(
+    processor: VisionProcessor, row: dict, messages_field: str, where: str, base: Path | None, recipe: Recipe
+) -> dict[str, torch.Tensor]:
+    """One row → its sample tensors: input_ids, labels, mm_token_type_ids, pixel_values, image_grid_thw."""
+    messages, images = read_conversation(row[messages_field], where, base, row.get("images") or [])
+    if messages[0]["role"] == "assistant":
+        raise DataError(
+            f"{where}: the conversation starts with an assistant turn; start it with a user message"
+        )
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError(f"{where}: the conversation has no assistant turn to train on")
+    tokenizer = processor.tokenizer
+    segments = template_segments(tokenizer, messages, where, recipe.data.train_on_inputs)
+    vision, counts = processor.images(images)
+    segments = expand_placeholders(segments, processor.image_token, counts, where)
+    input_ids: list[int] = []
+    labels: list[int] = []
+    for ids, (_, trained) in zip(
+        tokenizer([text for text, _ in segments], add_special_tokens=False)["input_ids"],
+        segments,
+        strict=True,
+    ):
+        input_ids += ids
+        labels += [i if trained and i not in processor.vision_ids else IGNORE_INDEX for i in ids]
+    labels[0] = IGNORE_INDEX  # nothing predicts the first token (as the text pipeline masks it)
+    ids = torch.tensor(input_ids, dtype=torch.int64)
+    return {
+        "input_ids": ids,
+        "labels": torch.tensor(labels, dtype=torch.int64),
+        "mm_token_type_ids": (ids == processor.image_token_id).to(torch.int64),
+        **vision,
+    }
+
+
+class VisionLoader(MicroBatchLoader):
+    """Padded micro-batches of `VisionRows`: input_ids, labels, attention_mask and
+    mm_token_type_ids [B, S]; the images of all rows concatenated (pixel_values [patches, D],
+    image_grid_thw [images, 3]), in row order as the model reads them. No position_ids: the
+    model computes its 3-D positions from the image tokens."""
+
+    def collate(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        longest = max(len(row["input_ids"]) for row in rows)
+        batch = {
+            "input_ids": torch.full((len(rows), longest), self.pad_token_id, dtype=torch.int64),
+            "labels": torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.int64),
+            "attention_mask": torch.zeros((len(rows), longest), dtype=torch.int64),
+            "mm_token_type_ids": torch.zeros((len(rows), longest), dtype=torch.int64),
+        }
+        for b, row in enumerate(rows):
+            n = len(row["input_ids"])
+            for name in ("input_ids", "labels", "mm_token_type_ids"):
+                batch[name][b, :n] = row[name]
+            batch["attention_mask"][b, :n] = 1
+        with_images = [row for row in rows if "pixel_values" in row]
+        if with_images:
+            batch["pixel_values"] = torch.cat([row["pixel_values"] for row in with_images])
+            batch["image_grid_thw"] = torch.cat([row["image_grid_thw"] for row in with_images])
+        return batch
+
+
+class VisionRows(list):
+    """The samples of one split, each a dict of tensors; `loader_class` reads its ``loader``."""
+
+    loader = VisionLoader
+
+
+def build_vision_datasets(recipe: Recipe, processor: VisionProcessor, log: Log | None = None) -> PreparedData:
+    """The recipe's train and validation samples for a vision-language model (module docstring):
+    ``data.split`` shuffled (seeded) and cut to ``data.max_samples``; validation from
+    ``data.validation_split``, else ``data.validation_fraction`` of the samples held out."""
+    say: Log = log or (lambda message: None)
+    problem = data_problem(recipe)
+    if problem:
+        raise RecipeError([problem])
+    data = recipe.data
+    specs = source_specs(recipe)
+    if len(specs) != 1:
+        raise RecipeError(["data.mix: a vision-language run reads one dataset (data.path) for now"])
+    spec = specs[0]
+    start = time.perf_counter()
+    dataset, located = load_split(spec, spec.split)
+    rows = np.arange(len(dataset))
+    if data.shuffle:
+        rows = np.random.default_rng([recipe.seed, SHUFFLE_STREAM]).permutation(rows)
+    if data.max_samples is not None:
+        rows = rows[: data.max_samples]
+    encode = _Encoder(processor, recipe, spec)
+    samples = encode(dataset, located, rows.tolist())
+    validation = None
+    if data.validation_split is not None:
+        held_out, held_located = load_split(spec, data.validation_split)
+        validation = VisionRows(encode(held_out, held_located, range(len(held_out))))
+    elif data.validation_fraction > 0:
+        held = max(1, round(len(samples) * data.validation_fraction))
+        if held >= len(samples):
+            raise DataError(
+                f"{located}: data.validation_fraction {data.validation_fraction} leaves nothing to train on"
+            )
+        rng = np.random.default_rng([recipe.seed, HOLDOUT_STREAM])
+        chosen = set(rng.choice(len(samples), held, replace=False).tolist())
+        validation = VisionRows(s for i, s in enumerate(samples) if i in chosen)
+        samples = [s for i, s in enumerate(samples) if i not in chosen]
+    if encode.skipped:
+        say(
+            f"warning: skipped {len(encode.skipped)} row(s) with a bad image (data.skip_bad_images); "
+            f"first: {encode.skipped[0]}"
+        )
+    if not samples:
+        raise DataError(
+            f"{located}: no sample left to train on ({len(encode.skipped)} with bad images, "
+            f"{encode.too_long} longer than data.max_seq_len)"
+        )
+    train = VisionRows(samples)
+    stats = _stats(train, data.max_seq_len, len(rows), encode.too_long)
+    if validation is not None:
+        stats.validation = _stats(validation, data.max_seq_len, len(validation), 0)
+    images = sum(len(s.get("image_grid_thw", ())) for s in train)
+    say(
+        f"processed {len(rows):,} rows with {images:,} images in {time.perf_counter() - start:.1f} s (not cached)"
+    )
+    splits = {"train": train} | ({"validation": validation} if validation is not None else {})
+    fingerprint = {"samples": _digest(splits), **{k: len(v) for k, v in splits.items()}}
+    return PreparedData(train, validation, stats, None, fingerprint)
+
+
+class _Encoder:
+    """Rows of one source → samples, counting the rows left out: a bad image (with
+    ``data.skip_bad_images``; else a DataError naming the row) or longer than ``data.max_seq_len``."""
+
+    def __init__(self, processor: VisionProcessor, recipe: Recipe, spec):
+        self.processor, self.recipe = processor, recipe
+        self.base = None if spec.local is None else (spec.local if spec.local.is_dir() else spec.local.parent)
+        self.field = spec.messages_field or default_messages_field("chat")
+        self.skipped: list[str] = []
+        self.too_long = 0
+
+    def __call__(self, dataset, located, rows) -> list[dict[str, torch.Tensor]]:
+        data, samples = self.recipe.data, []
+        for index in rows:
+            where, row = located.row(index, dataset[index])
+            try:
+                sample = encode_row(self.processor, row, self.field, where, self.base, self.recipe)
+            except BadImage as e:
+                if not data.skip_bad_images:
+                    raise DataError(
+                        f"{where}: {e}; fix it, or set data.skip_bad_images: true to leave such rows out"
+                    ) from None
+                self.skipped.append(f"{where}: {e}")
+                continue
+            if len(sample["input_ids"]) > data.max_seq_len:
+                self.too_long += 1
+                continue
+            samples.append(sample)
+        return samples
+
+
+def _stats(rows: VisionRows, max_seq_len: int, read: int, dropped: int) -> DataStats:
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    trained = sum(int((r["labels"] != IGNORE_INDEX).sum()) for r in rows)
+    return DataStats(read, 0, dropped, len(rows), tokens, trained, max_seq_len, packed=False)
+
+
+def _digest(splits: dict[str, VisionRows]) -> str:
+    """What a checkpoint records of the samples (as the text pipeline's digest): their tensors."""
+    digest = hashlib.sha256()
+    for name in sorted(splits):
+        for row in splits[name]:
+            for key in sorted(row):
+                digest.update(key.encode())
+                digest.update(row[key].contiguous().numpy().tobytes())
+    return digest.hexdigest()[:20]

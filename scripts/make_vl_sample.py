@@ -1,0 +1,128 @@
+"""Write the bundled vision-language sample and processor (recipes/quickstart-vl.yaml).
+
+* ``ligertune/assets/vl_sample.jsonl`` and ``ligertune/assets/vl_images/*.png``: 50 conversations,
+  each a 56×56 PNG of one coloured shape on a white ground and the question what it shows; the
+  answer names the colour and the shape ("A red circle."), so a tiny model can learn it from the
+  pixels. Drawn with a seeded generator: rerunning the script reproduces the committed files.
+* ``ligertune/assets/vl_processor/``: the bundled text tokenizer (ligertune/assets/tokenizer) with
+  Qwen2.5-VL's four vision tokens added (ids 2048–2051), a chat template that writes
+  ``<|vision_start|><|image_pad|><|vision_end|>`` for each image part, and Qwen2-VL's image
+  processor config with small pixel bounds (56×56 to 112×112: 4 to 16 image tokens).
+
+    python scripts/make_vl_sample.py [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+ASSETS = Path(__file__).resolve().parent.parent / "ligertune" / "assets"
+COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
+SHAPES = ("square", "circle", "triangle")
+QUESTIONS = ("What is in the image?", "Describe the picture.", "What do you see?")
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+SIZE, ROWS = 56, 50
+
+# The bundled template, with content that may be a list of parts (text, image).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' ~ message['role'] ~ ': use system, user or assistant') }}"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def draw(shape: str, colour: tuple[int, int, int], rng: random.Random) -> Image.Image:
+    image = Image.new("RGB", (SIZE, SIZE), (255, 255, 255))
+    pen = ImageDraw.Draw(image)
+    size = rng.randint(24, 40)
+    x, y = rng.randint(2, SIZE - size - 2), rng.randint(2, SIZE - size - 2)
+    if shape == "square":
+        pen.rectangle((x, y, x + size, y + size), fill=colour)
+    elif shape == "circle":
+        pen.ellipse((x, y, x + size, y + size), fill=colour)
+    else:
+        pen.polygon([(x + size // 2, y), (x, y + size), (x + size, y + size)], fill=colour)
+    return image
+
+
+def write_sample(out: Path) -> None:
+    rng = random.Random(0)
+    images = out / "vl_images"
+    images.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(ROWS):
+        colour, shape = rng.choice(sorted(COLOURS)), rng.choice(SHAPES)
+        name = f"vl_images/{i:02d}.png"
+        draw(shape, COLOURS[colour], rng).save(out / name, optimize=True)
+        rows.append(
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "path": name},
+                            {"type": "text", "text": rng.choice(QUESTIONS)},
+                        ],
+                    },
+                    {"role": "assistant", "content": f"A {colour} {shape}."},
+                ]
+            }
+        )
+    with open(out / "vl_sample.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def write_processor(out: Path) -> None:
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+    tokenizer.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(out / "vl_processor")
+    processor = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": SIZE * SIZE, "longest_edge": 4 * SIZE * SIZE}, patch_size=14, merge_size=2
+    )
+    processor.save_pretrained(out / "vl_processor")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--check", action="store_true", help="rebuild in a temporary folder and compare")
+    args = parser.parse_args()
+    if not args.check:
+        write_sample(ASSETS)
+        write_processor(ASSETS)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        write_sample(Path(tmp))
+        write_processor(Path(tmp))
+        names = [p.relative_to(tmp) for p in Path(tmp).rglob("*") if p.is_file()]
+        differ = [str(n) for n in names if not filecmp.cmp(Path(tmp) / n, ASSETS / n, shallow=False)]
+    print("differs: " + ", ".join(differ) if differ else f"{len(names)} files as committed")
+    return 1 if differ else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
