@@ -51,7 +51,7 @@ from tests.test_patching import train as train_steps
 COEF = 0.5
 MOE = dict(output_router_logits=True, router_aux_loss_coef=COEF, num_experts_per_tok=2)
 # Per family: extra config, RMSNorms per layer, SwiGLU modules in the model (dense layers and
-# Qwen2-MoE's shared experts; the routed experts stay transformers').
+# Qwen2-MoE's shared experts); its sparse layers each have one Experts module (`moe_experts`).
 FAMILIES = {
     # Layer 1 dense (mlp_only_layers): Qwen3MoeMLP gets the SwiGLU kernel; + q_norm, k_norm.
     "qwen3_moe": (
@@ -133,17 +133,24 @@ def test_experts_record_describes_the_hf_model(model_type):
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_moe_family_parity(model_type):
-    """Every dense kernel that applies is patched; the loss (token loss + balancing loss),
-    every gradient and the eval logits match HF's unpatched model."""
+    """Every kernel that applies is patched, the routed experts too; the loss (token loss +
+    balancing loss), every gradient and the eval logits match HF's unpatched model."""
     _, norms, swiglu = FAMILIES[model_type]
     model = tiny_moe(model_type)
+    sparse = LAYERS - len(model.config.to_dict().get("mlp_only_layers", []))
+    experts_class = FAMILY_TABLE[model_type].experts.experts
     result = parity_check(model, random_batch(), "all")
     expected = dict.fromkeys(KERNEL_NAMES, 0)
-    expected.update(rms_norm=LAYERS * norms + 1, rope=LAYERS, swiglu=swiglu, fused_linear_cross_entropy=1)
-    assert result.report.patched == expected, str(result.report)
-    assert any(n.startswith("experts: transformers' grouped_mm") for n in result.report.notes), str(
-        result.report
+    expected.update(
+        rms_norm=LAYERS * norms + 1,
+        rope=LAYERS,
+        swiglu=swiglu,
+        moe_experts=sparse,
+        fused_linear_cross_entropy=1,
     )
+    assert result.report.patched == expected, str(result.report)
+    modules = f"{sparse} {experts_class} module{'s' if sparse > 1 else ''}"
+    assert f"experts: ours (moe_experts), {modules}" in result.report.notes, str(result.report)
     assert result.ok, str(result)
     router = [
         c
