@@ -26,7 +26,7 @@ from ligertune.config.rules import model_problems
 from ligertune.errors import RecipeError
 from ligertune.models.build import build_model
 from ligertune.models.config import build_config
-from ligertune.models.shape import recipe_shape
+from ligertune.models.shape import model_shape, recipe_shape
 from ligertune.objectives.causal_lm import CausalLM, Router
 from ligertune.patching import patch_model
 from ligertune.patching.mlp import activation_of
@@ -324,6 +324,33 @@ def test_plan_counts_active_parameters():
     }
     assert experts_saved["experts: each token's k input copies"] == 8 * 2048
     assert experts_saved["mlp: up"] == 8 * 768
+
+
+def test_plan_counts_what_the_experts_kernel_saves():
+    """The plan's row for the patched experts against autograd's own record: the unique storages
+    the patched Experts module saves for backward, other than its inputs and weights, on a tiny
+    Qwen3-MoE (fp32, the Triton path under the interpreter); and the grouped_mm rows are gone."""
+    model = tiny_moe("qwen3_moe")
+    patch_model(model, "all")
+    experts = model.model.layers[0].mlp.experts
+    tokens, hidden = 24, model.config.hidden_size
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    weights, index = torch.randn(tokens, E).softmax(-1).topk(K, dim=-1)
+    weights.requires_grad_()
+    inputs = {t.untyped_storage().data_ptr() for t in (x, index, weights, *experts.parameters())}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in inputs:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        experts(x, index, weights)
+    s = Setting(micro_batch_size=1, seq_len=tokens, precision="fp32", kernels=frozenset({"moe_experts"}))
+    rows = {t.name: t for t in layer_saved(model_shape(model), s) if t.name.startswith(("experts", "mlp"))}
+    assert set(rows) == {"experts: pre-activation gate/up (moe_experts)"}
+    assert sum(seen.values()) == rows["experts: pre-activation gate/up (moe_experts)"].bytes(tokens)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
