@@ -17,10 +17,12 @@ import torch
 import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
+from typer.testing import CliRunner
 
 from ligertune.catalog.families import FAMILIES as FAMILY_TABLE
 from ligertune.catalog.families import Experts
 from ligertune.catalog.kernels import KERNEL_NAMES
+from ligertune.cli import app
 from ligertune.config import load_recipe
 from ligertune.config.rules import model_problems
 from ligertune.errors import RecipeError
@@ -33,7 +35,6 @@ from ligertune.patching.mlp import activation_of
 from ligertune.plan.activations import layer_saved
 from ligertune.plan.setting import Setting
 from ligertune.tools.check import FP32_TOL, parity_check
-from ligertune.training import train
 from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT
 from tests.kernels.helpers import rel_err
 from tests.test_patching import (  # noqa: F401 - one_torch_thread: the module's autouse fixture
@@ -160,6 +161,41 @@ def test_moe_family_parity(model_type):
     assert router, "the routers must be trained and checked"
 
 
+@pytest.mark.parametrize("where", ["config", "one_layer"])
+def test_experts_the_kernel_cannot_compute_stay_hfs(where):
+    """Mixtral with GELU experts (``hidden_act`` in the config: every layer; or one layer's act_fn
+    swapped): those Experts modules are left to transformers with the reason in the report, the
+    note says which implementation runs, and the model still matches HF's in training."""
+    if where == "config":
+        model = tiny_moe("mixtral", hidden_act="gelu_pytorch_tanh")
+    else:
+        model = tiny_moe("mixtral")
+        model.model.layers[0].mlp.experts.act_fn = nn.GELU(approximate="tanh")
+    result = parity_check(model, random_batch(), "all")
+    assert result.ok, str(result)
+    report = result.report
+    reason = "the kernel computes SiLU"
+    if where == "config":
+        assert report.patched["moe_experts"] == 0
+        assert report.skipped["moe_experts"].endswith(f"hidden_act 'gelu_pytorch_tanh' (GELUTanh): {reason}")
+        assert "experts: transformers' grouped_mm (MixtralExperts)" in report.notes
+    else:
+        assert report.patched["moe_experts"] == 1
+        assert (
+            report.skipped["moe_experts"] == f"model.layers.0.mlp.experts: hidden_act 'silu' (GELU): {reason}"
+        )
+        expected = "experts: ours (moe_experts) in 1 of 2 MixtralExperts modules, transformers' grouped_mm in the rest"
+        assert expected in report.notes
+
+
+def test_dense_and_unknown_families_have_no_experts_to_patch():
+    for model_type in ("llama", "olmo"):  # a dense family of the table; one the table does not know
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY))
+        report = patch_model(model, "all")
+        assert report.skipped["moe_experts"].startswith("not a known MoE family"), str(report)
+        assert not any(n.startswith("experts:") for n in report.notes)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])  # both routings; ~13 s each
 def test_moe_family_training_curve(model_type):
@@ -282,9 +318,13 @@ MOE_CONFIG = (
 )
 
 
-def moe_recipe(tmp_path, *overrides):
+def moe_overrides(tmp_path, *overrides) -> list[str]:
     # 64 tokens: the bundled Alpaca prompts fill 32.
-    return load_recipe(QUICKSTART, [MOE_CONFIG, "data.max_seq_len=64", f"output_dir={tmp_path}", *overrides])
+    return [MOE_CONFIG, "data.max_seq_len=64", f"output_dir={tmp_path}", *overrides]
+
+
+def moe_recipe(tmp_path, *overrides):
+    return load_recipe(QUICKSTART, moe_overrides(tmp_path, *overrides))
 
 
 def test_router_aux_loss_key(tmp_path):
@@ -355,16 +395,18 @@ def test_plan_counts_what_the_experts_kernel_saves():
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_run_logs_router_metrics(tmp_path, lora):
-    """One step (two micro-batches) of a tiny Qwen3-MoE with every kernel, fully trained or with
-    LoRA on its linear layers: metrics.jsonl has the balancing loss and the expert load, within
-    their ranges."""
+    """One step (two micro-batches) of a tiny Qwen3-MoE through ``ligertune train`` with every
+    kernel, the routed experts' included, fully trained or with LoRA on its linear layers:
+    metrics.jsonl has the balancing loss and the expert load, within their ranges."""
     overrides = [*PLAIN_RUN, "kernels=all", "training.max_steps=1", "training.micro_batch_size=2"]
     overrides += ["training.gradient_accumulation_steps=2", "data.validation_fraction=0.0"]
     if lora:
         overrides.append("lora={r: 4, alpha: 8, target_modules: all-linear}")
-    recipe = moe_recipe(tmp_path, *overrides)
-    train(recipe)
-    records = [json.loads(line) for line in (recipe.run_dir / "metrics.jsonl").read_text().splitlines()]
+    result = CliRunner().invoke(app, ["train", str(QUICKSTART), *moe_overrides(tmp_path, *overrides)])
+    assert result.exit_code == 0, result.output
+    run_dir = moe_recipe(tmp_path, *overrides).run_dir
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["event"] == "start" and records[0]["kernels_patched"]["moe_experts"] == 2  # both layers
     steps = [r for r in records if r["event"] == "train"]
     assert len(steps) == 1
     for r in steps:
