@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,8 +33,10 @@ from ligertune.models.shape import model_shape, recipe_shape
 from ligertune.objectives.causal_lm import CausalLM, Router
 from ligertune.patching import patch_model
 from ligertune.patching.mlp import activation_of
+from ligertune.plan import choose
 from ligertune.plan.activations import layer_saved
-from ligertune.plan.setting import Setting
+from ligertune.plan.estimate import estimate
+from ligertune.plan.setting import HEADROOM_FRACTION, Setting
 from ligertune.tools.check import FP32_TOL, parity_check
 from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT
 from tests.kernels.helpers import rel_err
@@ -391,6 +394,21 @@ def test_plan_counts_what_the_experts_kernel_saves():
     rows = {t.name: t for t in layer_saved(model_shape(model), s) if t.name.startswith(("experts", "mlp"))}
     assert set(rows) == {"experts: pre-activation gate/up (moe_experts)"}
     assert sum(seen.values()) == rows["experts: pre-activation gate/up (moe_experts)"].bytes(tokens)
+
+
+def test_plan_fix_turns_the_experts_kernel_on():
+    """A Qwen3-30B-A3B step that fits only with the experts' smaller saved activations (the dense
+    kernels on, moe_experts off): the plan's fix is ``kernels=all``; a dense model is never told."""
+    shape = recipe_shape(load_recipe(ROOT / "recipes" / "qwen3-30b-a3b-alpaca-bench.yaml"))
+    base = Setting(micro_batch_size=1, seq_len=8192, kernels=choose.OUR_KERNELS)
+    smallest = replace(base, checkpointing="full")
+    without = estimate(shape, smallest).peak
+    with_kernel = estimate(shape, replace(smallest, kernels=base.kernels | {"moe_experts"})).peak
+    assert with_kernel < without
+    budget = int((with_kernel + without) / 2 / (1 - HEADROOM_FRACTION))
+    assert choose.cheapest_fix(shape, base, budget) == "kernels=all"
+    dense = replace(shape, experts=0, top_k=0, expert_params=0)  # every fix fits: the first is named
+    assert choose.cheapest_fix(dense, base, 10**15) != "kernels=all"
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
