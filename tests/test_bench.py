@@ -51,6 +51,7 @@ KERNEL_MODULES = {
     "geglu": "swiglu",
     "cross_entropy": "cross_entropy",
     "fused_linear_cross_entropy": "fused_linear_cross_entropy",
+    "moe_experts": "moe",
 }
 
 
@@ -70,6 +71,10 @@ BWD_READS_WRITES = {
     "geglu": (("gate", "up"), ("gate", "up")),
     "cross_entropy": (("logits", "target"), ("logits",)),
     "fused_linear_cross_entropy": (("hidden", "weight", "target"), ("hidden", "weight")),
+    "moe_experts": (
+        ("hidden", "top_k_index", "top_k_weights", "gate_up_proj", "down_proj"),
+        ("hidden", "top_k_weights", "gate_up_proj", "down_proj"),
+    ),
 }
 
 
@@ -99,18 +104,23 @@ def test_minimal_bytes_match_the_tensors_an_eager_call_touches(kernel, dtype):
     assert minimal_bytes(kernel, shape, dtype) == {"fwd": fwd, "bwd": bwd, "full": full}
 
 
-def test_flce_flops_match_torch_flop_counter():
+@pytest.mark.parametrize(
+    "kernel, shape",
+    [("fused_linear_cross_entropy", (24, 40, 136)), ("moe_experts", (24, 40, 5, 2, 24))],
+)
+def test_flops_match_torch_flop_counter(kernel, shape):
+    """The FLOP floors against torch's count of HF's eager computation (the MoE experts' per-expert
+    loop: its matmuls over the routed rows only)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    spec = SPECS["fused_linear_cross_entropy"]
-    shape = (24, 40, 136)
+    spec = SPECS[kernel]
     inputs = spec.make_inputs(shape, torch.float32, torch.device("cpu"))
     fn = spec.eager(inputs)
     with FlopCounterMode(display=False) as fwd_counter:
-        loss = fn(*inputs.args)
+        out = fn(*inputs.args)
     with FlopCounterMode(display=False) as bwd_counter:
-        torch.autograd.grad(loss, inputs.differentiable)
-    expected = minimal_flops("fused_linear_cross_entropy", shape)
+        torch.autograd.grad(out, inputs.differentiable, inputs.grad_outputs)
+    expected = minimal_flops(kernel, shape)
     assert fwd_counter.get_total_flops() == expected["fwd"]
     assert bwd_counter.get_total_flops() == expected["bwd"]
     assert expected["full"] == expected["fwd"] + expected["bwd"]

@@ -11,29 +11,33 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 import transformers
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config
+from typer.testing import CliRunner
 
 from ligertune.catalog.families import FAMILIES as FAMILY_TABLE
 from ligertune.catalog.families import Experts
 from ligertune.catalog.kernels import KERNEL_NAMES
+from ligertune.cli import app
 from ligertune.config import load_recipe
 from ligertune.config.rules import model_problems
 from ligertune.errors import RecipeError
 from ligertune.models.build import build_model
 from ligertune.models.config import build_config
-from ligertune.models.shape import recipe_shape
+from ligertune.models.shape import model_shape, recipe_shape
 from ligertune.objectives.causal_lm import CausalLM, Router
 from ligertune.patching import patch_model
 from ligertune.patching.mlp import activation_of
+from ligertune.plan import choose
 from ligertune.plan.activations import layer_saved
-from ligertune.plan.setting import Setting
+from ligertune.plan.estimate import estimate
+from ligertune.plan.setting import HEADROOM_FRACTION, Setting
 from ligertune.tools.check import FP32_TOL, parity_check
-from ligertune.training import train
 from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT
 from tests.kernels.helpers import rel_err
 from tests.test_patching import (  # noqa: F401 - one_torch_thread: the module's autouse fixture
@@ -51,7 +55,7 @@ from tests.test_patching import train as train_steps
 COEF = 0.5
 MOE = dict(output_router_logits=True, router_aux_loss_coef=COEF, num_experts_per_tok=2)
 # Per family: extra config, RMSNorms per layer, SwiGLU modules in the model (dense layers and
-# Qwen2-MoE's shared experts; the routed experts stay transformers').
+# Qwen2-MoE's shared experts); its sparse layers each have one Experts module (`moe_experts`).
 FAMILIES = {
     # Layer 1 dense (mlp_only_layers): Qwen3MoeMLP gets the SwiGLU kernel; + q_norm, k_norm.
     "qwen3_moe": (
@@ -133,17 +137,24 @@ def test_experts_record_describes_the_hf_model(model_type):
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
 def test_moe_family_parity(model_type):
-    """Every dense kernel that applies is patched; the loss (token loss + balancing loss),
-    every gradient and the eval logits match HF's unpatched model."""
+    """Every kernel that applies is patched, the routed experts too; the loss (token loss +
+    balancing loss), every gradient and the eval logits match HF's unpatched model."""
     _, norms, swiglu = FAMILIES[model_type]
     model = tiny_moe(model_type)
+    sparse = LAYERS - len(model.config.to_dict().get("mlp_only_layers", []))
+    experts_class = FAMILY_TABLE[model_type].experts.experts
     result = parity_check(model, random_batch(), "all")
     expected = dict.fromkeys(KERNEL_NAMES, 0)
-    expected.update(rms_norm=LAYERS * norms + 1, rope=LAYERS, swiglu=swiglu, fused_linear_cross_entropy=1)
-    assert result.report.patched == expected, str(result.report)
-    assert any(n.startswith("experts: transformers' grouped_mm") for n in result.report.notes), str(
-        result.report
+    expected.update(
+        rms_norm=LAYERS * norms + 1,
+        rope=LAYERS,
+        swiglu=swiglu,
+        moe_experts=sparse,
+        fused_linear_cross_entropy=1,
     )
+    assert result.report.patched == expected, str(result.report)
+    modules = f"{sparse} {experts_class} module{'s' if sparse > 1 else ''}"
+    assert f"experts: ours (moe_experts), {modules}" in result.report.notes, str(result.report)
     assert result.ok, str(result)
     router = [
         c
@@ -151,6 +162,41 @@ def test_moe_family_parity(model_type):
         if c.name.startswith("grad ") and (".gate.weight" in c.name or ".router." in c.name)
     ]
     assert router, "the routers must be trained and checked"
+
+
+@pytest.mark.parametrize("where", ["config", "one_layer"])
+def test_experts_the_kernel_cannot_compute_stay_hfs(where):
+    """Mixtral with GELU experts (``hidden_act`` in the config: every layer; or one layer's act_fn
+    swapped): those Experts modules are left to transformers with the reason in the report, the
+    note says which implementation runs, and the model still matches HF's in training."""
+    if where == "config":
+        model = tiny_moe("mixtral", hidden_act="gelu_pytorch_tanh")
+    else:
+        model = tiny_moe("mixtral")
+        model.model.layers[0].mlp.experts.act_fn = nn.GELU(approximate="tanh")
+    result = parity_check(model, random_batch(), "all")
+    assert result.ok, str(result)
+    report = result.report
+    reason = "the kernel computes SiLU"
+    if where == "config":
+        assert report.patched["moe_experts"] == 0
+        assert report.skipped["moe_experts"].endswith(f"hidden_act 'gelu_pytorch_tanh' (GELUTanh): {reason}")
+        assert "experts: transformers' grouped_mm (MixtralExperts)" in report.notes
+    else:
+        assert report.patched["moe_experts"] == 1
+        assert (
+            report.skipped["moe_experts"] == f"model.layers.0.mlp.experts: hidden_act 'silu' (GELU): {reason}"
+        )
+        expected = "experts: ours (moe_experts) in 1 of 2 MixtralExperts modules, transformers' grouped_mm in the rest"
+        assert expected in report.notes
+
+
+def test_dense_and_unknown_families_have_no_experts_to_patch():
+    for model_type in ("llama", "olmo"):  # a dense family of the table; one the table does not know
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **TINY))
+        report = patch_model(model, "all")
+        assert report.skipped["moe_experts"].startswith("not a known MoE family"), str(report)
+        assert not any(n.startswith("experts:") for n in report.notes)
 
 
 @pytest.mark.slow
@@ -275,9 +321,13 @@ MOE_CONFIG = (
 )
 
 
-def moe_recipe(tmp_path, *overrides):
+def moe_overrides(tmp_path, *overrides) -> list[str]:
     # 64 tokens: the bundled Alpaca prompts fill 32.
-    return load_recipe(QUICKSTART, [MOE_CONFIG, "data.max_seq_len=64", f"output_dir={tmp_path}", *overrides])
+    return [MOE_CONFIG, "data.max_seq_len=64", f"output_dir={tmp_path}", *overrides]
+
+
+def moe_recipe(tmp_path, *overrides):
+    return load_recipe(QUICKSTART, moe_overrides(tmp_path, *overrides))
 
 
 def test_router_aux_loss_key(tmp_path):
@@ -319,18 +369,62 @@ def test_plan_counts_active_parameters():
     assert experts_saved["mlp: up"] == 8 * 768
 
 
+def test_plan_counts_what_the_experts_kernel_saves():
+    """The plan's row for the patched experts against autograd's own record: the unique storages
+    the patched Experts module saves for backward, other than its inputs and weights, on a tiny
+    Qwen3-MoE (fp32, the Triton path under the interpreter); and the grouped_mm rows are gone."""
+    model = tiny_moe("qwen3_moe")
+    patch_model(model, "all")
+    experts = model.model.layers[0].mlp.experts
+    tokens, hidden = 24, model.config.hidden_size
+    x = torch.randn(tokens, hidden, requires_grad=True)
+    weights, index = torch.randn(tokens, E).softmax(-1).topk(K, dim=-1)
+    weights.requires_grad_()
+    inputs = {t.untyped_storage().data_ptr() for t in (x, index, weights, *experts.parameters())}
+    seen = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in inputs:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        experts(x, index, weights)
+    s = Setting(micro_batch_size=1, seq_len=tokens, precision="fp32", kernels=frozenset({"moe_experts"}))
+    rows = {t.name: t for t in layer_saved(model_shape(model), s) if t.name.startswith(("experts", "mlp"))}
+    assert set(rows) == {"experts: pre-activation gate/up (moe_experts)"}
+    assert sum(seen.values()) == rows["experts: pre-activation gate/up (moe_experts)"].bytes(tokens)
+
+
+def test_plan_fix_turns_the_experts_kernel_on():
+    """A Qwen3-30B-A3B step that fits only with the experts' smaller saved activations (the dense
+    kernels on, moe_experts off): the plan's fix is ``kernels=all``; a dense model is never told."""
+    shape = recipe_shape(load_recipe(ROOT / "recipes" / "qwen3-30b-a3b-alpaca-bench.yaml"))
+    base = Setting(micro_batch_size=1, seq_len=8192, kernels=choose.OUR_KERNELS)
+    smallest = replace(base, checkpointing="full")
+    without = estimate(shape, smallest).peak
+    with_kernel = estimate(shape, replace(smallest, kernels=base.kernels | {"moe_experts"})).peak
+    assert with_kernel < without
+    budget = int((with_kernel + without) / 2 / (1 - HEADROOM_FRACTION))
+    assert choose.cheapest_fix(shape, base, budget) == "kernels=all"
+    dense = replace(shape, experts=0, top_k=0, expert_params=0)  # every fix fits: the first is named
+    assert choose.cheapest_fix(dense, base, 10**15) != "kernels=all"
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_run_logs_router_metrics(tmp_path, lora):
-    """One step (two micro-batches) of a tiny Qwen3-MoE with every kernel, fully trained or with
-    LoRA on its linear layers: metrics.jsonl has the balancing loss and the expert load, within
-    their ranges."""
+    """One step (two micro-batches) of a tiny Qwen3-MoE through ``ligertune train`` with every
+    kernel, the routed experts' included, fully trained or with LoRA on its linear layers:
+    metrics.jsonl has the balancing loss and the expert load, within their ranges."""
     overrides = [*PLAIN_RUN, "kernels=all", "training.max_steps=1", "training.micro_batch_size=2"]
     overrides += ["training.gradient_accumulation_steps=2", "data.validation_fraction=0.0"]
     if lora:
         overrides.append("lora={r: 4, alpha: 8, target_modules: all-linear}")
-    recipe = moe_recipe(tmp_path, *overrides)
-    train(recipe)
-    records = [json.loads(line) for line in (recipe.run_dir / "metrics.jsonl").read_text().splitlines()]
+    result = CliRunner().invoke(app, ["train", str(QUICKSTART), *moe_overrides(tmp_path, *overrides)])
+    assert result.exit_code == 0, result.output
+    run_dir = moe_recipe(tmp_path, *overrides).run_dir
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["event"] == "start" and records[0]["kernels_patched"]["moe_experts"] == 2  # both layers
     steps = [r for r in records if r["event"] == "train"]
     assert len(steps) == 1
     for r in steps:

@@ -47,7 +47,8 @@ class Experts:
     probabilities (renormalised to sum to 1 when ``renormalise`` says so: True, or the name of
     the config attribute that decides it, Qwen's ``norm_topk_prob``); "topk_softmax": the top k
     logits, then a softmax over those k (GPT-OSS; the weights sum to 1 by construction).
-    The experts themselves stay transformers' (``experts_implementation``, default grouped_mm).
+    The experts module (``experts``) is what the ``moe_experts`` kernel patches; ``expert_activation``
+    picks its layout (docs/moe.md).
     """
 
     sparse_block: str  # the module that routes and combines (GPT-OSS calls it GptOssMLP)

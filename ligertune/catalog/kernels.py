@@ -35,6 +35,12 @@ KERNELS: tuple[KernelEntry, ...] = (
     KernelEntry("rope", "Triton rotary embedding for q and k in one launch.", True),
     KernelEntry("swiglu", "Triton SwiGLU activation in the MLP.", True),
     KernelEntry("geglu", "Triton GeGLU (tanh GELU) activation in the MLP (Gemma).", True),
+    KernelEntry(
+        "moe_experts",
+        "Mixture-of-experts routed experts on grouped GEMMs with a fused, recomputed gated "
+        "activation (Qwen3-MoE, Qwen2-MoE, Mixtral, GPT-OSS).",
+        True,
+    ),
     KernelEntry("cross_entropy", "Triton cross entropy over materialised logits.", False, replaces="loss"),
     KernelEntry(
         "fused_linear_cross_entropy",

@@ -23,7 +23,7 @@ from torch import nn
 
 from ligertune.catalog.families import FAMILIES, VisionTower
 from ligertune.catalog.kernels import DEFAULT_KERNELS, KERNEL_NAMES, KERNELS, conflicts, kernel
-from ligertune.patching import losses, mlp, norms, rope  # noqa: F401 - each registers its patches
+from ligertune.patching import losses, mlp, moe, norms, rope  # noqa: F401 - each registers its patches
 from ligertune.patching.common import MARK, PATCHES, Patcher, is_marked
 from ligertune.patching.report import PatchReport
 
@@ -81,16 +81,14 @@ def patch_model(model: nn.Module, kernels: KernelSelection = None) -> PatchRepor
             "recognised by module type can apply (rms_norm and swiglu/geglu after a probe of each module, "
             "layer_norm, cross_entropy); rope and fused_linear_cross_entropy need a family entry"
         )
-    if family is not None and family.experts is not None:
-        # No kernel of ours computes the routed experts yet: say what does.
-        implementation = getattr(config, "_experts_implementation", None) or "eager"
-        report.notes.append(f"experts: transformers' {implementation} ({family.experts.experts})")
     patcher = Patcher(model, family, report)
     for entry in KERNELS:
         if entry.name in selected:
             PATCHES[entry.name](patcher)
         else:
             patcher.skip(entry.name, "off in the recipe")
+    if family is not None and family.experts is not None:
+        report.notes.append(moe.experts_note(model, family))  # ours or transformers', after patching
     if family is None and report.total == 0 and not report.already_patched:
         report.notes.append("none of the enabled kernels applies to this model")
     if family is not None and family.vision is not None:

@@ -9,8 +9,8 @@ with ``gate_proj``/``up_proj``/``down_proj`` Linear layers is patched when a pro
 shows it computes exactly ``down(act(gate(x)) * up(x))`` (`probe_gated_mlp`).
 
 In a mixture-of-experts family the family's MLP class covers its dense layers and Qwen2-MoE's
-shared expert; the routed experts (3-D weights, one module for all of them) stay transformers'
-(`ligertune.patching.apply` notes which implementation). Mixtral and GPT-OSS have no dense MLP.
+shared expert; the routed experts (3-D weights, one module for all of them) are the
+``moe_experts`` kernel's (`ligertune.patching.moe`). Mixtral and GPT-OSS have no dense MLP.
 """
 
 from __future__ import annotations

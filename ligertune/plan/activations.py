@@ -24,8 +24,9 @@ layer's input. The listing is checked against a measurement on CPU (``tests/test
 sub-module checkpointing).
 
 A mixture of experts (`ModelShape.experts`) sizes the MLP rows by what one token goes through
-(k expert widths and a shared expert's) and adds the experts' and the router's own tensors: an
-estimate, not checked against a measurement (docs/moe.md).
+(k expert widths and a shared expert's) and adds the experts' and the router's own tensors; with
+``moe_experts`` on, the experts keep only their pre-activation gate/up rows. An estimate, not
+checked against a measurement (docs/moe.md).
 
 The loss head's chunking is the kernels' own (`ligertune.kernels.chunking`, plain arithmetic),
 so the plan and the kernels cannot drift.
@@ -81,6 +82,15 @@ def layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
     ]
     saved += _norm_saved("post_attention_layernorm", shape, s, "rms_norm" in k, True, "mlp")
     i = shape.intermediate
+    if shape.experts and "moe_experts" in k:
+        # Our experts kernel keeps only the pre-activation gate/up [T·k, 2I] (kernels/moe.py; the
+        # input rows and the activation are recomputed in backward); the router keeps its fp32
+        # probabilities. Approximation: a shared expert's rows (in `intermediate`) are counted
+        # the same way, though its dense SwiGLU MLP also keeps its product.
+        return saved + [
+            Saved("experts: pre-activation gate/up (moe_experts)", 2 * i, ea, "mlp"),
+            Saved("router: probabilities", shape.experts, 4, "mlp"),
+        ]
     saved += [Saved("mlp: gate", i, ea, "mlp"), Saved("mlp: up", i, ea, "mlp")]
     if not ({"swiglu", "geglu"} & k):
         saved.append(Saved("mlp: act(gate)", i, ea, "mlp"))

@@ -149,8 +149,11 @@ def cheapest_fix(shape: ModelShape, base: Setting, gpu_bytes: int) -> str:
     def fix(text: str, setting: Setting, fixed_shape: ModelShape = shape) -> None:
         fixes.append((text, setting, fixed_shape))
 
-    if not OUR_KERNELS <= base.kernels:
-        fix("kernels=all", replace(smallest, kernels=(smallest.kernels - {"cross_entropy"}) | OUR_KERNELS))
+    # moe_experts changes the bytes of a mixture of experts only: a dense recipe without it is
+    # not told to turn it on.
+    ours = OUR_KERNELS | ({"moe_experts"} if shape.experts else set())
+    if not ours <= base.kernels:
+        fix("kernels=all", replace(smallest, kernels=(smallest.kernels - {"cross_entropy"}) | ours))
     for text, changes in base.parallel.memory_fixes(base.precision, base.world_size):
         fix(text, replace(smallest, **changes))
     if base.precision != "bf16" and base.parallel.supports("bf16 weights"):

@@ -7,12 +7,14 @@ speed of light follows. How things are measured lives in `ligertune.tools.bench.
 Providers, all called with the same positional tensors (``Inputs.tensors``, in order):
 
 * ``eager``: what a Hugging Face model runs without our kernels: ``LlamaRMSNorm``,
-  ``nn.LayerNorm``, HF ``apply_rotary_pos_emb``, ``ACT2FN[...](gate) * up``, and for the losses
+  ``nn.LayerNorm``, HF ``apply_rotary_pos_emb``, ``ACT2FN[...](gate) * up``, ``Qwen3MoeExperts``
+  with ``experts_implementation="eager"`` (its per-expert loop), and for the losses
   HF's recipe, logits upcast to fp32 then ``F.cross_entropy`` (so "eager" for the losses is the
   fp32-upcast loss that ``ForCausalLMLoss`` computes);
 * ``compile``: ``torch.compile`` of that same eager function (default mode, static shapes);
 * ``liger``: Liger-Kernel's functional API (``liger_kernel.transformers.functional``), when it is
-  importable on a CUDA device;
+  importable on a CUDA device; for the MoE experts its ``LigerFusedMoEFunction``
+  (``liger_kernel.ops.fused_moe``, recent releases), which takes the same gate/up-halves layout;
 * ``ligertune``: ours, ``ligertune.kernels``.
 
 RMSNorm variants run with ``in_place=False`` for both liger and ligertune (liger's default is
@@ -150,15 +152,28 @@ MINIMAL_BYTES: dict[str, Callable[..., tuple[int, int, int]]] = {
         2 * e * (n * h + v * h) + 8 * n + 4,
         2 * e * (n * h + v * h) + 8 * n + 4,
     ),
+    # MoE experts, gate/up halves: hidden [T,H], top_k_index [T,k] int64, top_k_weights [T,k],
+    # gate_up_proj [E,2I,H], down_proj [E,H,I] (3·E·H·I weights).  fwd: read them all; write
+    # out [T,H].  bwd: read dout and the inputs again (what an implementation saves instead is
+    # its choice); write d hidden, d weights, d gate_up_proj, d down_proj.
+    "moe_experts": lambda e, t, h, n_exp, k, i: (
+        e * (2 * t * h + t * k + 3 * n_exp * h * i) + 8 * t * k,
+        e * (3 * t * h + 2 * t * k + 6 * n_exp * h * i) + 8 * t * k,
+        e * (5 * t * h + 3 * t * k + 9 * n_exp * h * i) + 16 * t * k,
+    ),
 }
 
-# FLOPs that bound a pass from the compute side; only the fused linear cross entropy has any
-# that matter (the others do a few FLOPs per byte, far below the H200's ridge point of ~180 FLOP/byte).
+# FLOPs that bound a pass from the compute side; only the fused linear cross entropy and the MoE
+# experts have any that matter (the others do a few FLOPs per byte, far below the H200's ridge point of ~180 FLOP/byte).
 # logits = hidden·Wᵀ is 2·N·H·V; the backward needs dhidden = dlogits·W and dW = dlogitsᵀ·hidden,
 # 2·N·H·V each. An implementation that keeps no logits recomputes them, but that is its
 # choice, not a minimum: fwd 2NHV, bwd 4NHV, full 6NHV.
+#
+# MoE experts: each of the T·k routed rows goes through gate/up (2·H·2I) and down (2·I·H), 6·T·k·H·I
+# forward; the backward has an input and a weight gradient for each, twice that.
 MINIMAL_FLOPS: dict[str, Callable[..., tuple[int, int, int]]] = {
     "fused_linear_cross_entropy": lambda n, h, v: (2 * n * h * v, 4 * n * h * v, 6 * n * h * v),
+    "moe_experts": lambda t, h, n_exp, k, i: (6 * t * k * h * i, 12 * t * k * h * i, 18 * t * k * h * i),
 }
 
 
@@ -269,6 +284,23 @@ def _flce_inputs(shape, dtype, device) -> Inputs:
     )
 
 
+def _moe_inputs(shape, dtype, device) -> Inputs:
+    t, h, n_exp, k, i = shape
+    # A uniform random top-k routing (the GEMMs' group sizes are what the routing changes),
+    # softmax weights over the k, expert weights ~ N(0, 1/fan-in) as initialised.
+    top, index = torch.randn(t, n_exp, device=device).topk(k, dim=-1)
+    return Inputs(
+        {
+            "hidden": _randn(t, h, dtype=dtype, device=device),
+            "top_k_index": index,
+            "top_k_weights": top.softmax(-1).to(dtype).requires_grad_(),
+            "gate_up_proj": nn.Parameter((torch.randn(n_exp, 2 * i, h, device=device) * h**-0.5).to(dtype)),
+            "down_proj": nn.Parameter((torch.randn(n_exp, h, i, device=device) * i**-0.5).to(dtype)),
+        },
+        (_randn(t, h, dtype=dtype, device=device, requires_grad=False),),
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Providers
 # ---------------------------------------------------------------------------------------------
@@ -352,6 +384,31 @@ def _eager_ce(inp: Inputs):
 
 def _eager_flce(inp: Inputs):
     return lambda h, w, target: F.cross_entropy(F.linear(h, w).float(), target, ignore_index=IGNORE_INDEX)
+
+
+def _eager_moe(inp: Inputs):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    n_exp, two_i, h = inp.tensors["gate_up_proj"].shape
+    config = Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=two_i // 2, num_experts=n_exp)
+    config._experts_implementation = "eager"
+    with torch.device("meta"):  # its own weights are replaced by the benchmark's parameters
+        m = Qwen3MoeExperts(config)
+    m.gate_up_proj, m.down_proj = inp.tensors["gate_up_proj"], inp.tensors["down_proj"]
+    return lambda x, index, weights, w1, w2: m(x, index, weights)
+
+
+def _liger_moe(inp: Inputs):
+    if not torch.cuda.is_available():
+        raise ProviderUnavailable("liger-kernel needs a CUDA device")
+    try:
+        from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    except ImportError as e:
+        raise ProviderUnavailable(f"this liger-kernel has no fused MoE op ({e})") from None
+    # int32 indices, as its own tests pass them; the cast is outside the timed call.
+    index = inp.tensors["top_k_index"].to(torch.int32)
+    return lambda x, _, weights, w1, w2: LigerFusedMoEFunction.apply(x, w1, w2, index, weights)
 
 
 def _liger_rms_norm(inp: Inputs):
@@ -440,6 +497,12 @@ SPECS: dict[str, KernelSpec] = {
             _same_args(lambda: _liger("liger_fused_linear_cross_entropy")),
             _same_args(lambda: _ours("fused_linear_cross_entropy", "fused_linear_cross_entropy")),
             loss=True,
+        ),
+        KernelSpec(
+            "moe_experts", ("tokens", "hidden", "experts", "top_k", "intermediate"),
+            ((8192, 2048, 128, 8, 768), (8192, 4096, 8, 2, 14336)),  # Qwen3-30B-A3B, Mixtral-8x7B
+            ((8192, 2048, 128, 8, 768),), ((8, 32, 3, 2, 16),),
+            _moe_inputs, _eager_moe, _liger_moe, _same_args(lambda: _ours("moe", "moe_experts")),
         ),
     )
 }  # fmt: skip
