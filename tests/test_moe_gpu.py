@@ -71,7 +71,9 @@ def test_gpu_moe_parity(model_type):
     input_ids = torch.randint(3, VOCAB, (BATCH, SEQ), device=DEVICE)
     labels = input_ids.clone()
     labels[:, :32] = -100  # masked prompts
-    result = parity_check(mid_model(model_type), {"input_ids": input_ids, "labels": labels}, "all")
+    result = parity_check(
+        mid_model(model_type), {"input_ids": input_ids, "labels": labels}, {"moe_experts": True}
+    )  # kernels: all and the experts kernel
     print(result.report, result, sep="\n")
     patched = result.report.patched
     assert patched["rope"] == patched["moe_experts"] == LAYERS and patched["fused_linear_cross_entropy"] == 1

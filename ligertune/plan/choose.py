@@ -149,11 +149,12 @@ def cheapest_fix(shape: ModelShape, base: Setting, gpu_bytes: int) -> str:
     def fix(text: str, setting: Setting, fixed_shape: ModelShape = shape) -> None:
         fixes.append((text, setting, fixed_shape))
 
-    # moe_experts changes the bytes of a mixture of experts only: a dense recipe without it is
-    # not told to turn it on.
-    ours = OUR_KERNELS | ({"moe_experts"} if shape.experts else set())
-    if not ours <= base.kernels:
-        fix("kernels=all", replace(smallest, kernels=(smallest.kernels - {"cross_entropy"}) | ours))
+    if not OUR_KERNELS <= base.kernels:
+        fix("kernels=all", replace(smallest, kernels=(smallest.kernels - {"cross_entropy"}) | OUR_KERNELS))
+    # moe_experts is not part of `kernels: all` yet (its catalog entry) and changes the bytes of a
+    # mixture of experts only: a dense recipe is never told to turn it on.
+    if shape.experts and "moe_experts" not in base.kernels:
+        fix("kernels.moe_experts=true", replace(smallest, kernels=smallest.kernels | {"moe_experts"}))
     for text, changes in base.parallel.memory_fixes(base.precision, base.world_size):
         fix(text, replace(smallest, **changes))
     if base.precision != "bf16" and base.parallel.supports("bf16 weights"):
