@@ -136,6 +136,13 @@ def vision_tower(recipe: Recipe) -> VisionTower | None:
     return family.vision if family is not None else None
 
 
+def tokens_per_image(config, vision: VisionTower) -> int | None:
+    """The image tokens each image gets where the family fixes their count in its config
+    (Gemma 3's ``mm_tokens_per_image``: its projector pools every image to that many), else None
+    (Qwen-VL: one per merged patch, which the image's size decides)."""
+    return getattr(config, vision.tokens_per_image_attr) if vision.tokens_per_image_attr else None
+
+
 # The parts of a vision-language model `model.freeze` names, and what each is.
 FREEZABLE = {
     "vision": "the vision tower without its projector",
