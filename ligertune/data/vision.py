@@ -172,8 +172,9 @@ def data_problem(recipe: Recipe) -> str | None:
     data = recipe.data
     if data.packing:
         return (
-            "data.packing: rows with images are padded, not packed (the model computes its 3-D rotary "
-            "positions per row from the image tokens, which packed samples would share); set data.packing: false"
+            "data.packing: rows with images are padded, not packed (Qwen-VL computes its 3-D rotary positions, "
+            "Gemma 3 its bidirectional image attention, per row from the image tokens, which packed samples "
+            "would share); set data.packing: false"
         )
     if data.streaming:
         return "data.streaming: not supported for vision-language models yet; set data.streaming: false"
