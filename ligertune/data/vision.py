@@ -74,7 +74,7 @@ class VisionProcessor:
     tokenizer: Any
     image_processor: Any
     vision: VisionTower
-    vision_ids: frozenset[int]  # never trained: image and video pads, vision start and end
+    vision_ids: frozenset[int]  # never trained: the family's vision tokens (VisionTower.vision_tokens)
     tokens_per_image: int | None = None  # Gemma 3's fixed count (mm_tokens_per_image); None: per patch
     min_pixels: int | None = None
     max_pixels: int | None = None

@@ -146,8 +146,8 @@ def tokens_per_image(config, vision: VisionTower) -> int | None:
 # The parts of a vision-language model `model.freeze` names, and what each is.
 FREEZABLE = {
     "vision": "the vision tower without its projector",
-    "projector": "the projector (merger) from vision features to the language model",
-    "language_model": "the language model's decoder (embeddings, layers, final norm; not the lm_head)",
+    "projector": "the projector from vision features to the language model (Qwen-VL's merger, Gemma 3's multi_modal_projector)",
+    "language_model": "the language model's decoder (embeddings, layers, final norm; not the lm_head unless tied to the embeddings, as in Gemma 3)",
 }
 
 
