@@ -8,6 +8,10 @@
   Qwen2.5-VL's four vision tokens added (ids 2048–2051), a chat template that writes
   ``<|vision_start|><|image_pad|><|vision_end|>`` for each image part, and Qwen2-VL's image
   processor config with small pixel bounds (56×56 to 112×112: 4 to 16 image tokens).
+* ``ligertune/assets/vl_processor_gemma3/``: the same text tokenizer with Gemma 3's turn and image
+  tokens added (ids 2048–2052), a chat template with Gemma's turn markers (the assistant is
+  ``model``, a system message opens the first user turn) that writes ``<start_of_image>`` for
+  each image part, and Gemma 3's image processor at a fixed 56×56 (tiny-gemma3-vl).
 
     python scripts/make_vl_sample.py [--check]
 """
@@ -46,6 +50,43 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+GEMMA3_TOKENS = [
+    "<start_of_turn>",
+    "<end_of_turn>",
+    "<start_of_image>",
+    "<end_of_image>",
+    "<image_soft_token>",
+]
+
+# Gemma's turn markers, content as text or parts. The system message goes at the head of the first
+# user turn (Gemma has no system role); earlier turns render the same whatever follows them, so
+# the assistant turns are found by prefix (ligertune.data.chat).
+GEMMA3_CHAT_TEMPLATE = (
+    "{% macro content(message) %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<start_of_image>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% endmacro %}"
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' ~ message['role'] ~ ': use system, user or assistant') }}"
+    "{% endif %}"
+    "{% if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('a system message must come first') }}"
+    "{% endif %}"
+    "{% if message['role'] != 'system' %}"
+    "<start_of_turn>{{ 'model' if message['role'] == 'assistant' else 'user' }}\n"
+    "{% if loop.index0 == 1 and messages[0]['role'] == 'system' %}{{ content(messages[0]) }}\n\n{% endif %}"
+    "{{ content(message) }}<end_of_turn>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
 
 
@@ -105,6 +146,17 @@ def write_processor(out: Path) -> None:
     processor.save_pretrained(out / "vl_processor")
 
 
+def write_gemma3_processor(out: Path) -> None:
+    from transformers import AutoTokenizer
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+    tokenizer.add_special_tokens({"additional_special_tokens": GEMMA3_TOKENS})
+    tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out / "vl_processor_gemma3")
+    Gemma3ImageProcessorPil(size={"height": SIZE, "width": SIZE}).save_pretrained(out / "vl_processor_gemma3")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -114,10 +166,12 @@ def main() -> int:
     if not args.check:
         write_sample(ASSETS)
         write_processor(ASSETS)
+        write_gemma3_processor(ASSETS)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         write_sample(Path(tmp))
         write_processor(Path(tmp))
+        write_gemma3_processor(Path(tmp))
         names = [p.relative_to(tmp) for p in Path(tmp).rglob("*") if p.is_file()]
         differ = [str(n) for n in names if not filecmp.cmp(Path(tmp) / n, ASSETS / n, shallow=False)]
     print("differs: " + ", ".join(differ) if differ else f"{len(names)} files as committed")

@@ -348,6 +348,48 @@ SHIPPED_CONFIGS: dict[str, dict[str, Any]] = {
         video_token_id=2051,
         tie_word_embeddings=False,
     ),
+    # Gemma 3 image + text (`model_type` gemma3): one local (sliding-window) and one global layer,
+    # each with Gemma 3's own RoPE (global: theta 1e6 and linear scaling 8, as the 4B+ checkpoints),
+    # so the RoPE kernel is checked on both; a SigLIP tower at the bundled processor's 56×56 (4×4
+    # patches of 14), pooled 2×2 to 4 image tokens. The sliding window (8) is shorter than a row,
+    # so the window and the image tokens' bidirectional block both shape the mask.
+    "tiny-gemma3-vl": dict(
+        model_type="gemma3",
+        text_config=dict(
+            vocab_size=2053,  # the bundled tokenizer and its five Gemma tokens (ligertune://vl_processor_gemma3)
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            query_pre_attn_scalar=32,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention"],
+            max_position_embeddings=2048,
+            rms_norm_eps=1e-6,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            },
+        ),
+        vision_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=56,
+            patch_size=14,
+            vision_use_head=False,  # as Gemma 3's checkpoints: the projector reads the last hidden state
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=2050,
+        eoi_token_index=2051,
+        image_token_index=2052,
+    ),
     "qwen2.5-vl-7b": dict(
         model_type="qwen2_5_vl",
         text_config=dict(

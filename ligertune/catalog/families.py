@@ -83,10 +83,15 @@ class VisionTower:
     them), ``mlp`` its gated MLP class when it has one (patched like the language model's).
     ``image_processor`` is the PIL image processor class, by dotted path: transformers 5.17's
     Auto image and processor classes need torchvision, which a CPU install lacks, and the PIL
-    class computes the same pixels. ``image_token`` is the placeholder the chat template writes
-    once per image and the processor repeats once per merged patch; ``vision_tokens`` are the
-    tokens around it, never trained on. ``rope_note`` is what the patch report says of the
-    family's rotary embeddings (the language model's multimodal one, the tower's own)."""
+    class computes the same pixels. ``image_token`` is the token the model fills with image
+    features, one per feature (Qwen: one per merged patch; Gemma 3: a fixed count, the config's
+    ``tokens_per_image_attr``); the chat template writes ``placeholder`` once per image (None:
+    ``image_token`` itself), which the processor replaces by ``image_sequence`` with ``{tokens}``
+    standing for the image tokens. ``vision_tokens`` are all of them, never trained on.
+    ``token_type_key`` is the model's input marking image tokens with 1 (Qwen computes its 3-D
+    positions from it, Gemma 3 its bidirectional attention over an image's tokens).
+    ``rope_note`` is what the patch report says of the family's rotary embeddings (the language
+    model's multimodal one, the tower's own)."""
 
     tower: str
     projectors: tuple[str, ...]
@@ -97,6 +102,10 @@ class VisionTower:
     image_token: str
     vision_tokens: tuple[str, ...]
     rope_note: str = ""
+    placeholder: str | None = None
+    image_sequence: str = "{tokens}"
+    tokens_per_image_attr: str | None = None  # None: one token per merged patch (image_grid_thw)
+    token_type_key: str = "mm_token_type_ids"
 
 
 @dataclass(frozen=True)
@@ -180,8 +189,40 @@ FAMILIES: dict[str, Family] = {
         _llama_like("phi3", "Phi3", mlp_act_attr="activation_fn", mlp_fused_gate_up=True),
         _gemma_like("gemma", "Gemma", "gemma"),
         _gemma_like("gemma2", "Gemma2", "gemma2", logit_softcap_attr="final_logit_softcapping"),
-        # Gemma 3 text-only checkpoints; the multimodal `gemma3` model type is not covered.
+        # Gemma 3 text-only checkpoints; the multimodal `gemma3` model type is the row below.
         _gemma_like("gemma3_text", "Gemma3", "gemma3", logit_softcap_attr="final_logit_softcapping"),
+        # Gemma 3 image + text: the language model is Gemma3TextModel (the classes of the row above;
+        # local and global layers get their own cos/sin from the rotary module, each a plain
+        # rotate-half rotation). Gemma3ForConditionalGeneration's forward applies no final-logit
+        # softcap (it never reads the text config's final_logit_softcapping, None in Gemma 3
+        # checkpoints anyway), so the fused loss applies none either. The vision tower is SigLIP's
+        # (nn.LayerNorm: the layer_norm kernel; an ungated tanh-GELU MLP: no kernel of ours); the
+        # projector outside it pools to mm_tokens_per_image and normalises with a Gemma3RMSNorm.
+        _gemma_like(
+            "gemma3",
+            "Gemma3",
+            "gemma3",
+            causal_lm="Gemma3ForConditionalGeneration",
+            vision=VisionTower(
+                tower="model.vision_tower",
+                projectors=("model.multi_modal_projector",),
+                language_model="model.language_model",
+                block="SiglipEncoderLayer",
+                mlp=None,
+                image_processor="transformers.models.gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil",
+                image_token="<image_soft_token>",
+                vision_tokens=("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
+                rope_note=(
+                    "rope: the language model's kernel rotates the local and global layers' cos/sin as "
+                    "given; the vision tower (SigLIP) has no RoPE"
+                ),
+                placeholder="<start_of_image>",
+                # Gemma3Processor's full_image_sequence: the image between blank lines.
+                image_sequence="\n\n<start_of_image>{tokens}<end_of_image>\n\n",
+                tokens_per_image_attr="mm_tokens_per_image",
+                token_type_key="token_type_ids",
+            ),
+        ),
         # Qwen3MoeMLP: the dense layers of mlp_only_layers / decoder_sparse_step.
         _llama_like(
             "qwen3_moe",

@@ -9,19 +9,24 @@ fetch in the middle of tokenising would make the data depend on the network.
 
 Each sample is built in four steps, all with the model's own tools:
 
-1. the images are opened with PIL (RGB) and run through the family's image processor, resized
-   to between ``data.image_min_pixels`` and ``data.image_max_pixels`` pixels (the processor's own
-   bounds when unset): ``pixel_values`` (one row per patch) and ``image_grid_thw``;
+1. the images are opened with PIL (RGB) and run through the family's image processor. Qwen-VL:
+   resized to between ``data.image_min_pixels`` and ``data.image_max_pixels`` pixels (the
+   processor's own bounds when unset), ``pixel_values`` (one row per patch) and
+   ``image_grid_thw``; Gemma 3: resized to the processor's fixed size, ``pixel_values``
+   [images, 3, H, W];
 2. the conversation is rendered by the tokenizer's chat template, which writes one image
    placeholder per image, and split into trained and untrained text like a text conversation
    (`ligertune.data.chat.template_segments`: only assistant turns, with their end-of-turn token);
-3. each placeholder is repeated once per merged patch of its image (``t·h·w / merge²``), as the
-   model's processor does (`expand_placeholders`: transformers 5.17's processor classes need a
-   video processor and torchvision, which a CPU install lacks; this is the one step of theirs
-   we repeat);
+3. each placeholder is replaced as the model's processor does (`expand_placeholders`): Qwen-VL's
+   ``<|image_pad|>`` repeated once per merged patch of its image (``t·h·w / merge²``); Gemma 3's
+   ``<start_of_image>`` by the image between blank lines, ``<start_of_image>``, the config's
+   ``mm_tokens_per_image`` ``<image_soft_token>`` and ``<end_of_image>``. transformers 5.17's
+   processor classes need torchvision, which a CPU install lacks; this is the one step of theirs
+   we repeat;
 4. the segments are tokenised; labels are −100 outside assistant text and on every vision token
-   (image pads, vision start/end), and ``mm_token_type_ids`` marks the image tokens (1), from
-   which the model computes its 3-D rotary positions.
+   (image tokens, vision start/end), and the family's token-type input (``mm_token_type_ids``;
+   Gemma 3: ``token_type_ids``) marks the image tokens (1): Qwen-VL computes its 3-D rotary
+   positions from it, Gemma 3 lets each image's tokens attend to each other both ways.
 
 A sample longer than ``data.max_seq_len`` is dropped and counted, not cut: a cut through an
 image's tokens would leave the model more image features than placeholders. A broken or
@@ -68,8 +73,9 @@ class VisionProcessor:
 
     tokenizer: Any
     image_processor: Any
-    image_token: str
-    vision_ids: frozenset[int]  # never trained: image and video pads, vision start and end
+    vision: VisionTower
+    vision_ids: frozenset[int]  # never trained: the family's vision tokens (VisionTower.vision_tokens)
+    tokens_per_image: int | None = None  # Gemma 3's fixed count (mm_tokens_per_image); None: per patch
     min_pixels: int | None = None
     max_pixels: int | None = None
 
@@ -80,45 +86,75 @@ class VisionProcessor:
 
     @property
     def image_token_id(self) -> int:
-        return self.tokenizer.convert_tokens_to_ids(self.image_token)
+        return self.tokenizer.convert_tokens_to_ids(self.vision.image_token)
+
+    def token_types(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The model's input marking the image tokens of `ids` with 1, under the family's name for it."""
+        return {self.vision.token_type_key: (ids == self.image_token_id).to(torch.int64)}
 
     def images(self, images: list) -> tuple[dict[str, torch.Tensor], list[int]]:
-        """(pixel_values and image_grid_thw, each image's count of placeholder tokens: one per
-        merged patch, ``t·h·w / merge²``)."""
+        """(the model's image inputs, each image's count of image tokens). Qwen-VL: pixel_values
+        and image_grid_thw, one token per merged patch, ``t·h·w / merge²``; Gemma 3: pixel_values
+        at the processor's fixed size, ``tokens_per_image`` each."""
         if not images:
             return {}, []
+        if self.tokens_per_image is not None:
+            # num_crops, the processor's other output, counts pan-and-scan crops: off (processor_from).
+            pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+            return {"pixel_values": pixels}, [self.tokens_per_image] * len(images)
         bounds = {k: v for k, v in (("min_pixels", self.min_pixels), ("max_pixels", self.max_pixels)) if v}
         vision = dict(self.image_processor(images=images, return_tensors="pt", **bounds))
         merge = self.image_processor.merge_size
         return vision, [int(grid.prod()) // merge**2 for grid in vision["image_grid_thw"]]
 
 
-def load_processor(recipe: Recipe, vision: VisionTower, tokenizer) -> VisionProcessor:
+def load_processor(
+    recipe: Recipe, vision: VisionTower, tokenizer, tokens_per_image: int | None = None
+) -> VisionProcessor:
     """The recipe's image processor, from the tokenizer's source (its ``preprocessor_config.json``),
-    with the tokenizer `load_tokenizer` loaded."""
+    with the tokenizer `load_tokenizer` loaded. `tokens_per_image`: the model config's fixed count
+    of image tokens for a family that has one (`VisionTower.tokens_per_image_attr`)."""
+    data = recipe.data
+    if tokens_per_image is not None and (data.image_min_pixels or data.image_max_pixels):
+        raise RecipeError(
+            [
+                "data.image_min_pixels/image_max_pixels: this model resizes every image to its image "
+                f"processor's fixed size ({tokens_per_image} image tokens each); remove them"
+            ]
+        )
     source = recipe.tokenizer.name_or_path or recipe.model.name_or_path
     key = "tokenizer.name_or_path" if recipe.tokenizer.name_or_path else "model.name_or_path"
     location = str(recipe.resolve(source)) if looks_local(source) else source
-    processor = processor_from(location, vision, tokenizer, key)
-    processor.min_pixels, processor.max_pixels = recipe.data.image_min_pixels, recipe.data.image_max_pixels
+    processor = processor_from(location, vision, tokenizer, key, tokens_per_image)
+    processor.min_pixels, processor.max_pixels = data.image_min_pixels, data.image_max_pixels
     return processor
 
 
-def processor_from(location: str, vision: VisionTower, tokenizer, key: str) -> VisionProcessor:
+def processor_from(
+    location: str, vision: VisionTower, tokenizer, key: str, tokens_per_image: int | None = None
+) -> VisionProcessor:
     """The family's image processor from `location` (a folder or hub id); its vision tokens must
     be in the tokenizer's vocabulary. Errors name `key`, where the location came from."""
+    if vision.tokens_per_image_attr and tokens_per_image is None:
+        raise ValueError(f"processor_from: this family needs the config's {vision.tokens_per_image_attr}")
     module, _, name = vision.image_processor.rpartition(".")
     try:
         image_processor = getattr(importlib.import_module(module), name).from_pretrained(location)
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"{key}: cannot load an image processor from {location}: {first}") from None
+    if getattr(image_processor, "do_pan_and_scan", None):
+        # Gemma 3's crops would each add an image (and its tokens) that the placeholders do not count.
+        raise DataError(
+            f"{key}: the image processor at {location} has do_pan_and_scan on: pan-and-scan crops are not "
+            "supported yet; set it to false in preprocessor_config.json"
+        )
     unknown = (None, tokenizer.unk_token_id)
     missing = [t for t in vision.vision_tokens if tokenizer.convert_tokens_to_ids(t) in unknown]
     if missing:
         raise DataError(f"{key}: the tokenizer at {location} lacks the vision tokens {', '.join(missing)}")
     ids = frozenset(tokenizer.convert_tokens_to_ids(t) for t in vision.vision_tokens)
-    return VisionProcessor(tokenizer, image_processor, vision.image_token, ids)
+    return VisionProcessor(tokenizer, image_processor, vision, ids, tokens_per_image)
 
 
 def prompt_inputs(processor: VisionProcessor, messages: list[dict], images: list) -> dict[str, torch.Tensor]:
@@ -126,14 +162,9 @@ def prompt_inputs(processor: VisionProcessor, messages: list[dict], images: list
     the chat template's generation prompt at its end; placeholders expanded as in training."""
     text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     vision, counts = processor.images(images)
-    [(text, _)] = expand_placeholders([(text, False)], processor.image_token, counts, "--image")
+    [(text, _)] = expand_placeholders([(text, False)], processor.vision, counts, "--image")
     ids = torch.tensor([processor.tokenizer(text, add_special_tokens=False)["input_ids"]])
-    return {
-        "input_ids": ids,
-        "attention_mask": torch.ones_like(ids),
-        "mm_token_type_ids": (ids == processor.image_token_id).to(torch.int64),
-        **vision,
-    }
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **processor.token_types(ids), **vision}
 
 
 def data_problem(recipe: Recipe) -> str | None:
@@ -141,8 +172,9 @@ def data_problem(recipe: Recipe) -> str | None:
     data = recipe.data
     if data.packing:
         return (
-            "data.packing: rows with images are padded, not packed (the model computes its 3-D rotary "
-            "positions per row from the image tokens, which packed samples would share); set data.packing: false"
+            "data.packing: rows with images are padded, not packed (Qwen-VL computes its 3-D rotary positions, "
+            "Gemma 3 its bidirectional image attention, per row from the image tokens, which packed samples "
+            "would share); set data.packing: false"
         )
     if data.streaming:
         return "data.streaming: not supported for vision-language models yet; set data.streaming: false"
@@ -155,20 +187,24 @@ def data_problem(recipe: Recipe) -> str | None:
     return None
 
 
-def expand_placeholders(segments, image_token: str, counts: list[int], where: str):
-    """Each image placeholder in the rendered text repeated `counts[i]` times (one per merged
-    patch of image i), as the model's processor does."""
-    found = sum(text.count(image_token) for text, _ in segments)
+def expand_placeholders(segments, vision: VisionTower, counts: list[int], where: str):
+    """Each image placeholder in the rendered text replaced by the family's image sequence with
+    `counts[i]` image tokens for image i, as the model's processor does."""
+    placeholder = vision.placeholder or vision.image_token
+    found = sum(text.count(placeholder) for text, _ in segments)
     if found != len(counts):
         raise DataError(
-            f"{where}: the chat template wrote {found} image placeholder(s) {image_token} for {len(counts)} image(s); "
+            f"{where}: the chat template wrote {found} image placeholder(s) {placeholder} for {len(counts)} image(s); "
             "use the model's chat template"
         )
     left = iter(counts)
     out = []
     for text, trained in segments:
-        pieces = text.split(image_token)
-        expanded = pieces[0] + "".join(image_token * next(left) + piece for piece in pieces[1:])
+        pieces = text.split(placeholder)
+        expanded = pieces[0] + "".join(
+            vision.image_sequence.format(tokens=vision.image_token * next(left)) + piece
+            for piece in pieces[1:]
+        )
         out.append((expanded, trained))
     return out
 
@@ -176,7 +212,7 @@ def expand_placeholders(segments, image_token: str, counts: list[int], where: st
 def encode_row(
     processor: VisionProcessor, row: dict, messages_field: str, where: str, base: Path | None, recipe: Recipe
 ) -> dict[str, torch.Tensor]:
-    """One row → its sample tensors: input_ids, labels, mm_token_type_ids, pixel_values, image_grid_thw."""
+    """One row → its sample tensors: input_ids, labels, the token types, and the image inputs."""
     messages, images = read_conversation(row[messages_field], where, base, row.get("images") or [])
     if messages[0]["role"] == "assistant":
         raise DataError(
@@ -187,7 +223,7 @@ def encode_row(
     tokenizer = processor.tokenizer
     segments = template_segments(tokenizer, messages, where, recipe.data.train_on_inputs)
     vision, counts = processor.images(images)
-    segments = expand_placeholders(segments, processor.image_token, counts, where)
+    segments = expand_placeholders(segments, processor.vision, counts, where)
     input_ids: list[int] = []
     labels: list[int] = []
     for ids, (_, trained) in zip(
@@ -202,34 +238,40 @@ def encode_row(
     return {
         "input_ids": ids,
         "labels": torch.tensor(labels, dtype=torch.int64),
-        "mm_token_type_ids": (ids == processor.image_token_id).to(torch.int64),
+        **processor.token_types(ids),
         **vision,
     }
 
 
+# A sample's per-token tensors (padded into [B, S]; the token types with 0, text); its other
+# tensors are its images' inputs, concatenated over the rows.
+TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
+
+
 class VisionLoader(MicroBatchLoader):
-    """Padded micro-batches of `VisionRows`: input_ids, labels, attention_mask and
-    mm_token_type_ids [B, S]; the images of all rows concatenated (pixel_values [patches, D],
-    image_grid_thw [images, 3]), in row order as the model reads them. No position_ids: the
-    model computes its 3-D positions from the image tokens."""
+    """Padded micro-batches of `VisionRows`: input_ids, labels, attention_mask and the token
+    types [B, S]; the images of all rows concatenated (Qwen-VL: pixel_values [patches, D],
+    image_grid_thw [images, 3]; Gemma 3: pixel_values [images, 3, H, W]), in row order as the
+    model reads them. No position_ids: Qwen-VL computes its 3-D positions from the image tokens."""
 
     def collate(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         longest = max(len(row["input_ids"]) for row in rows)
+        token_types = [k for k in TOKEN_TYPE_KEYS if k in rows[0]]
         batch = {
             "input_ids": torch.full((len(rows), longest), self.pad_token_id, dtype=torch.int64),
             "labels": torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.int64),
             "attention_mask": torch.zeros((len(rows), longest), dtype=torch.int64),
-            "mm_token_type_ids": torch.zeros((len(rows), longest), dtype=torch.int64),
+            **{k: torch.zeros((len(rows), longest), dtype=torch.int64) for k in token_types},
         }
         for b, row in enumerate(rows):
             n = len(row["input_ids"])
-            for name in ("input_ids", "labels", "mm_token_type_ids"):
+            for name in ("input_ids", "labels", *token_types):
                 batch[name][b, :n] = row[name]
             batch["attention_mask"][b, :n] = 1
         with_images = [row for row in rows if "pixel_values" in row]
         if with_images:
-            batch["pixel_values"] = torch.cat([row["pixel_values"] for row in with_images])
-            batch["image_grid_thw"] = torch.cat([row["image_grid_thw"] for row in with_images])
+            for name in [k for k in with_images[0] if k not in batch]:
+                batch[name] = torch.cat([row[name] for row in with_images])
         return batch
 
 
@@ -289,7 +331,7 @@ def build_vision_datasets(recipe: Recipe, processor: VisionProcessor, log: Log |
     stats = _stats(train, data.max_seq_len, len(rows), encode.too_long)
     if validation is not None:
         stats.validation = _stats(validation, data.max_seq_len, len(validation), 0)
-    images = sum(len(s.get("image_grid_thw", ())) for s in train)
+    images = sum(_image_count(s) for s in train)
     say(
         f"processed {len(rows):,} rows with {images:,} images in {time.perf_counter() - start:.1f} s (not cached)"
     )
@@ -327,6 +369,14 @@ class _Encoder:
                 continue
             samples.append(sample)
         return samples
+
+
+def _image_count(sample: dict[str, torch.Tensor]) -> int:
+    """Qwen-VL: one image_grid_thw row per image (pixel_values holds patches); Gemma 3: one
+    pixel_values entry per image."""
+    if "image_grid_thw" in sample:
+        return len(sample["image_grid_thw"])
+    return len(sample.get("pixel_values", ()))
 
 
 def _stats(rows: VisionRows, max_seq_len: int, read: int, dropped: int) -> DataStats:

@@ -136,11 +136,18 @@ def vision_tower(recipe: Recipe) -> VisionTower | None:
     return family.vision if family is not None else None
 
 
+def tokens_per_image(config, vision: VisionTower) -> int | None:
+    """The image tokens each image gets where the family fixes their count in its config
+    (Gemma 3's ``mm_tokens_per_image``: its projector pools every image to that many), else None
+    (Qwen-VL: one per merged patch, which the image's size decides)."""
+    return getattr(config, vision.tokens_per_image_attr) if vision.tokens_per_image_attr else None
+
+
 # The parts of a vision-language model `model.freeze` names, and what each is.
 FREEZABLE = {
     "vision": "the vision tower without its projector",
-    "projector": "the projector (merger) from vision features to the language model",
-    "language_model": "the language model's decoder (embeddings, layers, final norm; not the lm_head)",
+    "projector": "the projector from vision features to the language model (Qwen-VL's merger, Gemma 3's multi_modal_projector)",
+    "language_model": "the language model's decoder (embeddings, layers, final norm; not the lm_head unless tied to the embeddings, as in Gemma 3)",
 }
 
 

@@ -43,8 +43,9 @@ from ligertune.catalog.objectives.sft import SFTOptions
 from ligertune.data.formats import IGNORE_INDEX
 from ligertune.objectives.base import Batch, Building, Objective, ObjectiveOutput
 
-# The last three are a vision-language model's (ligertune.data.vision): its images and which
-# tokens are image tokens (from which it computes its 3-D rotary positions).
+# The last four are a vision-language model's (ligertune.data.vision): its images and which
+# tokens are image tokens (Qwen-VL computes its 3-D rotary positions from mm_token_type_ids,
+# Gemma 3 its bidirectional attention over an image's tokens from token_type_ids).
 MODEL_INPUTS = (
     "input_ids",
     "labels",
@@ -53,6 +54,7 @@ MODEL_INPUTS = (
     "pixel_values",
     "image_grid_thw",
     "mm_token_type_ids",
+    "token_type_ids",
 )
 
 

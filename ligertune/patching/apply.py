@@ -97,16 +97,34 @@ def patch_model(model: nn.Module, kernels: KernelSelection = None) -> PatchRepor
 
 
 def _where_applied(model: nn.Module, vision: VisionTower) -> str:
-    """A vision-language model's patched modules, split into vision tower and language model
-    (the ForConditionalGeneration module that holds the fused loss counts as the latter)."""
-    sides: dict[str, Counter] = {"vision tower": Counter(), "language model": Counter()}
+    """A vision-language model's patched modules, split into vision tower, projector (where it
+    sits outside the tower, as Gemma 3's; Qwen-VL's mergers count with the tower) and language
+    model (the ForConditionalGeneration module that holds the fused loss counts as the latter)."""
+
+    def within(name: str, path: str) -> bool:
+        return name == path or name.startswith(path + ".")
+
+    outside = [p for p in vision.projectors if not within(p, vision.tower)]
+    sides: dict[str, Counter] = {"vision tower": Counter()}
+    if outside:
+        sides["projector"] = Counter()
+    sides["language model"] = Counter()
     head = getattr(model, "lm_head", None)  # marked with the causal LM, whose forward owns the loss
     for name, module in model.named_modules():
         if is_marked(module) and module is not head:
-            inside = name == vision.tower or name.startswith(vision.tower + ".")
-            sides["vision tower" if inside else "language model"][module.__dict__[MARK]] += 1
+            if within(name, vision.tower):
+                side = "vision tower"
+            elif any(within(name, p) for p in outside):
+                side = "projector"
+            else:
+                side = "language model"
+            sides[side][module.__dict__[MARK]] += 1
     blocks = sum(type(m).__name__ == vision.block for m in model.modules())
-    where = {"vision tower": f"{vision.tower}, {blocks} blocks", "language model": vision.language_model}
+    where = {
+        "vision tower": f"{vision.tower}, {blocks} blocks",
+        "projector": ", ".join(outside),
+        "language model": vision.language_model,
+    }
     parts = [
         f"{side} ({where[side]}): "
         + (", ".join(f"{kernel} {n}" for kernel, n in counts.items()) or "nothing patched")

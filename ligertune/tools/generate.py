@@ -57,7 +57,7 @@ from ligertune.data.vision import VisionProcessor, load_processor, processor_fro
 from ligertune.distributed import Runtime
 from ligertune.distributed.runtime import load_trainable_state
 from ligertune.errors import DataError, RecipeError, UsageError
-from ligertune.models.build import auto_class, build_model
+from ligertune.models.build import auto_class, build_model, tokens_per_image
 from ligertune.run.checkpoint import CheckpointManager, load_checkpoint
 from ligertune.run.manifest import DamagedCheckpoint
 from ligertune.tools.adapters import (
@@ -306,11 +306,12 @@ class Generator:
         family = FAMILIES.get(getattr(self.model.config, "model_type", None))
         if family is None or family.vision is None:
             raise GenerateError(f"--image: {type(self.model).__name__} is not a vision-language model")
+        fixed = tokens_per_image(self.model.config, family.vision)
         try:
             if self.source.recipe is not None and self.source.recipe.is_file():
                 recipe = load_recipe(self.source.recipe, rebuild_overrides(False))
-                return load_processor(recipe, family.vision, self.tokenizer)
-            return processor_from(self.source.model, family.vision, self.tokenizer, "the model")
+                return load_processor(recipe, family.vision, self.tokenizer, fixed)
+            return processor_from(self.source.model, family.vision, self.tokenizer, "the model", fixed)
         except (RecipeError, DataError) as e:
             raise GenerateError(
                 f"--image: {'; '.join(e.problems) if isinstance(e, RecipeError) else e}"

@@ -28,7 +28,8 @@ from ligertune.data import build_datasets, load_tokenizer
 from ligertune.data.loader import loader_class
 from ligertune.data.vision import build_vision_datasets, load_processor
 from ligertune.distributed import Runtime
-from ligertune.models.build import build_model, check_vocab, vision_tower
+from ligertune.models.build import build_model, check_vocab, tokens_per_image, vision_tower
+from ligertune.models.config import build_config
 from ligertune.models.shape import model_shape
 from ligertune.objectives import Objective, build_objective
 from ligertune.run.metrics import count_label
@@ -120,7 +121,8 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
     tokenizer = load_tokenizer(recipe)
     vision, processor = vision_tower(recipe), None
     if vision is not None:  # images through the model's image processor (ligertune.data.vision)
-        processor = load_processor(recipe, vision, tokenizer)
+        fixed = tokens_per_image(build_config(recipe), vision)  # Gemma 3's image tokens per image
+        processor = load_processor(recipe, vision, tokenizer, fixed)
         datasets = build_vision_datasets(recipe, processor, log=log if runtime.is_main else None)
     else:
         datasets = build_datasets(
