@@ -15,6 +15,12 @@ it calls the LoRA layers; our fused linear cross entropy looks at whatever sits 
 at each call (`ligertune.patching.losses.fused_head`). The other order would leave the kernels
 looking for ``nn.Linear`` projections that are no longer there.
 
+``lora.target_parameters`` adds peft's adapters on the routed experts' 3-D weights
+(``ParamWrapper``): while the experts module's forward runs, peft parametrizes each targeted
+tensor as W + s·B·A, so our ``moe_experts`` forward, which reads ``self.gate_up_proj`` and
+``self.down_proj`` at every call, computes with the adapted weights and backpropagates into A
+and B like transformers' forward does (docs/moe.md).
+
 Checkpoints hold the trained parameters only (`ligertune.distributed.runtime.trainable_state`):
 the frozen ones come back from the recipe (same weights, same seeded init). The final export
 (`ligertune.training.export`) writes the adapter in peft's format and, on request, a merged
@@ -32,8 +38,10 @@ from torch import nn
 
 from ligertune.errors import RecipeError
 from ligertune.models.build import vision_parts
+from ligertune.models.shape import expert_weights
 from ligertune.patching.common import MARK
 from ligertune.patching.losses import fused_head
+from ligertune.patching.moe import KERNEL as MOE_KERNEL
 
 if TYPE_CHECKING:  # the schema is a layer above (see ligertune.models.build)
     from ligertune.config import Recipe
@@ -126,6 +134,13 @@ def apply_lora(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
     if parts is not None:
         vision = {id(m) for part in ("vision", "projector") for top in parts[part] for m in top.modules()}
     targets = resolve_targets(model, lora.target_modules, skip=vision)
+    # Full names (model.layers.0.mlp.experts.gate_up_proj): peft matches target_parameters by
+    # suffix, and full names leave nothing to chance.
+    parameters = (
+        [name for name, _ in expert_weights(model, lora.target_parameters)]
+        if lora.target_parameters
+        else None
+    )
     exclude = [n for n, m in model.named_modules() if id(m) in vision] or None
     _check_modules_to_save(model, lora.modules_to_save)
     if recipe.model.quantize != "none":
@@ -139,6 +154,7 @@ def apply_lora(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
         target_modules=targets,
+        target_parameters=parameters,
         modules_to_save=lora.modules_to_save or None,
         use_dora=lora.use_dora,
         use_rslora=lora.use_rslora,
@@ -147,7 +163,30 @@ def apply_lora(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
         exclude_modules=exclude,
     )
     adapted = get_peft_model(model, config, autocast_adapter_dtype=False)
+    _check_peft_targets(adapted, targets, parameters or [])
     return adapted, _report(adapted, recipe, targets)
+
+
+def _check_peft_targets(model: nn.Module, targets: list[str], parameters: list[str]) -> None:
+    """The adapters peft placed are the ones asked for. Under transformers 5, peft 0.21 rewrites
+    the config of the MoE models whose checkpoints transformers converts (Qwen3-MoE, Mixtral):
+    linear names of transformers 4's per-expert layers (gate_proj, up_proj, down_proj; w1..w3)
+    become adapters on the fused 3-D experts, at twice the rank for gate_up_proj, and those
+    names no longer reach the dense MLPs (Qwen3-MoE's ``mlp_only_layers``). Silently training
+    other adapters than the recipe says is refused."""
+    tuner = model.base_model
+    adapted_modules = {name.rsplit(".", 1)[-1] for name in tuner.targeted_module_names}
+    missing = [t for t in targets if t not in adapted_modules]
+    unasked = sorted({n.rsplit(".", 1)[-1] for n in set(tuner.targeted_parameter_names) - set(parameters)})
+    if missing or unasked:
+        raise RecipeError(
+            [
+                f"lora.target_modules: peft retargets {', '.join(missing or targets)} of "
+                f"{type(model.get_base_model()).__name__} to the routed experts' {', '.join(unasked) or 'weights'} "
+                "(its transformers-4 MoE conversion), so those linear layers would get no adapter; list "
+                "lora.target_modules without them, and use lora.target_parameters for the experts"
+            ]
+        )
 
 
 def _report(model: nn.Module, recipe: Recipe, targets: list[str]) -> str:
@@ -155,7 +194,7 @@ def _report(model: nn.Module, recipe: Recipe, targets: list[str]) -> str:
     lora = recipe.lora
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    layers = [m for m in model.modules() if _is_lora_layer(m)]
+    layers = [m for m in model.modules() if _is_lora_layer(m) and not _is_param_wrapper(m)]
     variant = "".join([" DoRA" if lora.use_dora else "", " rsLoRA" if lora.use_rslora else ""])
     quantized = f", base in {recipe.model.quantize} (bitsandbytes)" if recipe.model.quantize != "none" else ""
     lines = [
@@ -164,6 +203,22 @@ def _report(model: nn.Module, recipe: Recipe, targets: list[str]) -> str:
     ]
     if lora.modules_to_save:
         lines.append(f"  trained in full: {', '.join(lora.modules_to_save)}")
+    wrappers = [m for m in model.modules() if _is_param_wrapper(m)]
+    if wrappers:
+        # peft nests one wrapper per parameter around the experts module; the innermost is it.
+        experts = {id(w.get_base_layer()): w.get_base_layer() for w in wrappers}.values()
+        ours = sum(m.__dict__.get(MARK) == MOE_KERNEL for m in experts)
+        names = "/".join(sorted({w.parameter_name for w in wrappers}))
+        kind = type(next(iter(experts))).__name__
+        reader = "transformers' forward"
+        if ours:
+            reader = "our moe_experts" + (
+                "" if ours == len(experts) else f" in {ours}, transformers' in the rest"
+            )
+        lines.append(
+            f"  experts: LoRA on {names} of {len(experts)} {kind} modules, one rank-{lora.r} adapter per "
+            f"expert; W + s·B·A made by peft at each call, read by {reader}"
+        )
     mlps: dict[str, list[int]] = {}
     for module in model.modules():
         kernel = module.__dict__.get(MARK)
@@ -192,6 +247,15 @@ def _is_lora_layer(module: nn.Module | None) -> bool:
     from peft.tuners.lora import LoraLayer
 
     return isinstance(module, LoraLayer)
+
+
+def _is_param_wrapper(module: nn.Module | None) -> bool:
+    """peft's adapter on a parameter (``lora.target_parameters``): it parametrizes the wrapped
+    module's tensor as W + s·B·A while its forward runs, so whatever forward the module has (ours
+    with ``moe_experts``, or transformers') reads the adapted weight."""
+    from peft.tuners.lora import ParamWrapper
+
+    return isinstance(module, ParamWrapper)
 
 
 # --------------------------------------------------------------------------------------------
@@ -226,6 +290,9 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
     lora_layers = {name: m for name, m in model.named_modules() if _is_lora_layer(m)}
     consumed: set[str] = set()
     for name, layer in lora_layers.items():
+        if _is_param_wrapper(layer):
+            consumed |= _merge_parameter(name, layer, state, merged)
+            continue
         adapter = layer.active_adapters[0]
         base_key = f"{name}.base_layer.weight"
         quantized = base_key not in state or not state[base_key].dtype.is_floating_point
@@ -246,9 +313,43 @@ def merged_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[
         if key in consumed or ".original_module." in key:
             continue
         match = saved.match(key)
-        key = f"{match[1]}.{match[2]}" if match else key.replace(".base_layer.", ".")
+        key = f"{match[1]}.{match[2]}" if match else _unwrapped(key)
         merged.setdefault(key, value.detach().cpu())
     return {k.removeprefix(_PEFT_PREFIX): v for k, v in merged.items()}
+
+
+def _unwrapped(key: str) -> str:
+    """A key of the adapted model as the plain model names it: peft's wrappers add a
+    ``base_layer.`` each, and wrappers of 3-D parameters nest (two on an experts module)."""
+    return re.sub(r"(\.base_layer)+\.", ".", key)
+
+
+def _merge_parameter(name: str, layer: nn.Module, state: dict[str, torch.Tensor], merged: dict) -> set[str]:
+    """Merge one peft ``ParamWrapper`` (an adapter on a 3-D experts weight) into `merged`; returns
+    the keys of `state` it used.
+
+    peft stores the E experts' factors side by side: A as ``[r·E, in]`` (expert e's rows
+    e·r … e·r + r − 1) and B as ``[out, r·E]`` (expert e's columns e, e + E, …: B is reshaped
+    ``[out, r, E]``), and ``ΔW_e = s·B_e·A_e`` is ``[out, in]``. The weight is ``[E, out, in]``
+    (Qwen, Mixtral: peft swaps its in/out reading) or ``[E, in, out]`` (GPT-OSS, whose module
+    says ``is_transposed``), so ΔW_e is transposed for the latter. Wrappers nest, one per
+    parameter: the weight sits under as many ``base_layer.`` as there are wrappers."""
+    adapter = layer.active_adapters[0]
+    depth, inner = 1, layer.base_layer
+    while _is_param_wrapper(inner):
+        depth, inner = depth + 1, inner.base_layer
+    base_key = f"{name}{'.base_layer' * depth}.{layer.parameter_name}"
+    weight = state[base_key]
+    experts = weight.shape[0]
+    a = state[f"{name}.lora_A.{adapter}.weight"].float().cpu()
+    b = state[f"{name}.lora_B.{adapter}.weight"].float().cpu()
+    a = a.reshape(experts, -1, a.shape[-1])  # [E, r, in]
+    b = b.reshape(b.shape[0], -1, experts).permute(2, 0, 1)  # [E, out, r]
+    delta = torch.bmm(b, a) * layer.scaling[adapter]  # [E, out, in]
+    if getattr(inner, "is_transposed", False):  # the weight is [E, in, out]: peft's reading too
+        delta = delta.transpose(1, 2)
+    merged[_unwrapped(base_key)] = (weight.float().cpu() + delta).to(weight.dtype)
+    return {base_key, *(k for k in state if k.startswith(f"{name}.lora_"))}
 
 
 def _delta(layer: nn.Module, product: torch.Tensor, adapter: str) -> torch.Tensor:

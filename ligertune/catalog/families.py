@@ -69,6 +69,11 @@ class Experts:
     shared_expert_width_attr: str | None = None
     experts_biased: bool = False  # GPT-OSS: biases on both expert projections and the router
     expert_activation: str = "silu"  # GPT-OSS: "clamped_swiglu" (alpha 1.702, limit 7, (up + 1)·glu)
+    # The experts module's 3-D weights, one [E, ·, ·] tensor per projection of every expert: what
+    # ``lora.target_parameters`` puts adapters on (peft's ``target_parameters``). Qwen and Mixtral
+    # store them [E, out, in], GPT-OSS [E, in, out]; peft reads that from the module's
+    # ``is_transposed``, which transformers sets on GPT-OSS's experts class.
+    weights: tuple[str, ...] = ("gate_up_proj", "down_proj")
 
 
 @dataclass(frozen=True)

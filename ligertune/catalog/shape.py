@@ -27,6 +27,7 @@ class ModelShape:
     embed_params: int  # the input embedding
     head_params: int  # the lm_head (0 when tied to the embedding)
     lora_params: int = 0  # trainable adapter parameters (0: full fine-tuning)
+    expert_lora_params: int = 0  # of which on the routed experts' weights (lora.target_parameters)
     # Mixture of experts (0 for a dense model). `intermediate` is then the MLP width one token
     # goes through: top_k routed experts' widths plus a shared expert's, which is what its
     # activations are sized by (the memory plan's approximation: it counts a token's k expert

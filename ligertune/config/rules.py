@@ -209,10 +209,16 @@ def _supporting(feature: str) -> str:
 
 @rule("parallel.supports")
 def _strategy_supports(recipe: Recipe) -> list[str]:
-    """The parallel strategy trains what the recipe asks: LoRA adapters, quantised weights, FP8 layers, bf16 weights, an objective that generates."""
+    """The parallel strategy trains what the recipe asks: LoRA adapters (on the experts too), quantised weights, FP8 layers, bf16 weights, an objective that generates."""
     parallel, strategy = recipe.parallel, recipe.parallel.strategy
     asked = [
         ("lora", recipe.lora is not None, "lora", "remove the lora section"),
+        (
+            "expert adapters",
+            recipe.lora is not None and recipe.lora.target_parameters is not None,
+            "lora.target_parameters",
+            "remove lora.target_parameters",
+        ),
         ("quantized", recipe.model.quantize != "none", "model.quantize", "set model.quantize=none"),
         ("fp8", recipe.training.fp8 != "none", "training.fp8", "set training.fp8=none"),
         (
@@ -250,7 +256,8 @@ def _push_needs_export(recipe: Recipe) -> list[str]:
 @rule("lora.combinations")
 def _lora_combinations(recipe: Recipe) -> list[str]:
     """LoRA goes together with what supports it: model.quantize needs lora; lora trains without fp8 and without
-    sharded init; export.merge_lora needs lora."""
+    sharded init; adapters on the experts (lora.target_parameters) take no dropout, DoRA or quantised base;
+    export.merge_lora needs lora."""
     lora, quantize = recipe.lora, recipe.model.quantize
     problems = []
     if quantize != "none" and lora is None:
@@ -267,8 +274,35 @@ def _lora_combinations(recipe: Recipe) -> list[str]:
             "parallel.sharded_init: true is not supported with lora (the shards are filled from a plain "
             "model's state dict); set parallel.sharded_init=auto"
         )
+    if lora is not None and lora.target_parameters is not None:
+        problems += _expert_adapter_problems(recipe)
     if recipe.export.merge_lora and lora is None:
         problems.append("export.merge_lora: there is nothing to merge without a lora section; remove it")
+    return problems
+
+
+def _expert_adapter_problems(recipe: Recipe) -> list[str]:
+    """What peft's adapters on 3-D parameters (``lora.ParamWrapper``) refuse, said before the model
+    is built: it adds B·A to the weight itself, so no dropout can apply to the input and DoRA's
+    per-row norm has no row; and a quantised base is refused as untried (bitsandbytes quantises
+    ``nn.Linear`` layers only: the experts would stay 16-bit next to 4-bit attention)."""
+    lora, problems = recipe.lora, []
+    if lora.dropout:
+        problems.append(
+            f"lora.dropout: {lora.dropout:g} is not supported with lora.target_parameters (peft adds the "
+            "adapter to the experts' weights, so there is no input to drop out); set lora.dropout=0"
+        )
+    if lora.use_dora:
+        problems.append(
+            "lora.use_dora: not supported with lora.target_parameters (peft has no DoRA for 3-D "
+            "parameters); set lora.use_dora=false or remove lora.target_parameters"
+        )
+    if recipe.model.quantize != "none":
+        problems.append(
+            f"model.quantize: {recipe.model.quantize} is not supported with lora.target_parameters "
+            "(bitsandbytes leaves the experts' 3-D weights unquantised, and this is untried); set "
+            "model.quantize=none or remove lora.target_parameters"
+        )
     return problems
 
 

@@ -7,6 +7,7 @@ no memory, no weights read, so it answers for an 8B model on a laptop in seconds
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,6 +15,7 @@ from torch import nn
 
 from ligertune.catalog.families import FAMILIES
 from ligertune.catalog.shape import ModelShape
+from ligertune.errors import RecipeError
 from ligertune.models.build import build_model, decoder_layers
 
 if TYPE_CHECKING:
@@ -64,6 +66,38 @@ def model_shape(model: nn.Module, lora_params: int = 0) -> ModelShape:
     )
 
 
+def expert_weights(model: nn.Module, targets: str | list[str]) -> list[tuple[str, torch.Tensor]]:
+    """(full name, tensor) of the routed experts' 3-D weights that ``lora.target_parameters``
+    names (``experts``: every weight of the family's `Experts` record), in every experts module
+    of the model, found by the family table's class. RecipeError for a model without routed
+    experts or a name that is not one of their weights."""
+    family = FAMILIES.get(getattr(model.config, "model_type", None))
+    if family is None or family.experts is None:
+        raise RecipeError(
+            [
+                f"lora.target_parameters: {type(model).__name__} has no routed experts (not a "
+                "mixture-of-experts family of the table, docs/moe.md); remove lora.target_parameters"
+            ]
+        )
+    record = family.experts
+    names = list(record.weights) if targets == "experts" else list(targets)
+    unknown = [n for n in names if n not in record.weights]
+    if unknown:
+        raise RecipeError(
+            [
+                f"lora.target_parameters: {', '.join(map(repr, unknown))} is not a weight of "
+                f"{record.experts}; its weights are: {', '.join(record.weights)} (or experts for all)"
+            ]
+        )
+    experts_class = family.resolve(record.experts)
+    return [
+        (f"{module_name}.{name}", getattr(module, name))
+        for module_name, module in model.named_modules()
+        if isinstance(module, experts_class)
+        for name in names
+    ]
+
+
 def lora_params(model: nn.Module, rank: int, targets: str | list[str]) -> int:
     """Trainable parameters of LoRA adapters of rank `rank` on the decoder layers' linear layers
     named in `targets` (``all-linear``: every one): r × (in + out) each."""
@@ -75,11 +109,22 @@ def lora_params(model: nn.Module, rank: int, targets: str | list[str]) -> int:
     return total
 
 
+def expert_lora_params(model: nn.Module, rank: int, targets: str | list[str]) -> int:
+    """Trainable parameters of peft's adapters on the experts' 3-D weights ``[E, a, b]``: one
+    rank-r pair per expert, r × (a + b) each (peft stores them as one A of r·E rows and one B of
+    r·E columns)."""
+    return sum(w.shape[0] * rank * (w.shape[1] + w.shape[2]) for _, w in expert_weights(model, targets))
+
+
 def recipe_shape(recipe: Recipe) -> ModelShape:
     """The shape of the recipe's model, from an empty build (no memory, no weights read)."""
     model = build_model(recipe, torch.device("cpu"), empty=True)
-    adapters = lora_params(model, recipe.lora.r, recipe.lora.target_modules) if recipe.lora else 0
-    return model_shape(model, adapters)
+    lora = recipe.lora
+    if lora is None:
+        return model_shape(model)
+    experts = expert_lora_params(model, lora.r, lora.target_parameters) if lora.target_parameters else 0
+    shape = model_shape(model, lora_params(model, lora.r, lora.target_modules) + experts)
+    return replace(shape, expert_lora_params=experts)
 
 
 def section_shape(recipe: Recipe, section: ModelSection) -> ModelShape:

@@ -105,8 +105,18 @@ def plan(recipe: Recipe, world_size: int, budget: int, console: Console, target:
         if shape.experts
         else ""
     )
+    adapters = ""
+    if shape.lora_params:
+        on_experts = (
+            f", {count_label(shape.expert_lora_params)} of them on the routed experts"
+            if shape.expert_lora_params
+            else ""
+        )
+        adapters = (
+            f", LoRA r={recipe.lora.r}: {count_label(shape.lora_params)} adapter parameters{on_experts}"
+        )
     console.print(
-        f"{recipe.name}: {count_label(shape.params)} parameters{active} ({shape.layers} layers, hidden {shape.hidden}, "
+        f"{recipe.name}: {count_label(shape.params)} parameters{active}{adapters} ({shape.layers} layers, hidden {shape.hidden}, "
         f"vocab {shape.vocab}){frozen}, {base.precision}, {base.parallel.strategy} × {world_size}, rows of "
         f"{base.seq_len} tokens{pairs}, kernels: {', '.join(sorted(base.kernels)) or 'none'}; target "
         f"{gib(budget)} per GPU{target}",

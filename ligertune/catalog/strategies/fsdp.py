@@ -75,6 +75,10 @@ class FSDPParallel(ParallelOptions):
     unsupported: ClassVar[dict[str, str]] = {
         "quantized": "quantised weights cannot be sharded",
         "eval.tasks": "the model is sharded over the processes",
+        # peft's adapters on 3-D weights move each targeted parameter under a parametrization
+        # for the length of every forward, while FSDP2 swaps the same parameter between its
+        # shard and the gathered tensor: never tried together.
+        "expert adapters": "untried with peft's parametrized expert weights",
     }
     gathers_float8: ClassVar[bool] = True  # torchao's float8 tensors implement FSDP2's all-gather hooks
     rules: ClassVar[tuple[Rule, ...]] = (

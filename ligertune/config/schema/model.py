@@ -38,6 +38,13 @@ class LoraSection(Section):
         description="Linear layers that get an adapter, by name (q_proj, v_proj, gate_proj, ...; lm_head "
         "for an adapter on the output layer), or all-linear: every linear layer but the lm_head.",
     )
+    target_parameters: Literal["experts"] | Annotated[list[str], Field(min_length=1)] | None = Field(
+        None,
+        description="Mixture-of-experts weights that get an adapter (peft target_parameters; axolotl's "
+        "lora_target_parameters): experts for both of the routed experts' 3-D weights, or a list of them "
+        "(gate_up_proj, down_proj), one adapter per expert of every MoE layer. Needs dropout 0; no DoRA, "
+        "no model.quantize. Unset: the experts stay frozen.",
+    )
     modules_to_save: list[str] = Field(
         default_factory=list,
         description="Modules trained in full besides the adapters and saved with them, e.g. [embed_tokens, "
