@@ -24,7 +24,9 @@ peak memory against the length. A packed row shorter than the length is padded t
 row holds exactly ``max_seq_len`` tokens of work. At lengths longer than the bundled sample
 (37k tokens) use ``--random-rows N``: N rows of random token ids as long as the longest length,
 written to ``<out>/random-tokens.jsonl`` and trained unpacked (every position a label), so that
-each row is one causal sequence and attention needs no packed-sample mask.
+each row is one causal sequence and attention needs no packed-sample mask. For vision-language
+recipes, ``--image-rows N`` writes N chat rows of ``--images-per-row`` bundled images each
+(``<out>/image-rows.jsonl``); the recipe's image pixel bounds set their size in tokens.
 
 Outputs in ``--out``: ``e2e.json`` (every arm's result), ``e2e.md`` (the tables, printed last),
 ``e2e.png`` with ``--seq-lens``, and one directory per arm with its log and metrics.
@@ -72,6 +74,25 @@ def random_token_data(path: Path, rows: int, length: int) -> list[str]:
     ids = np.random.default_rng(0).integers(0, 2048, size=(rows, length))
     path.write_text("".join(json.dumps({"input_ids": row.tolist()}) + "\n" for row in ids))
     return ["data.format=pretokenized", f"data.path={json.dumps(str(path.resolve()))}", "data.packing=false"]
+
+
+def image_chat_data(path: Path, rows: int, images_per_row: int) -> list[str]:
+    """Write `rows` chat rows of `images_per_row` bundled images each (cycled, by absolute path),
+    a question and a one-line answer; the overrides that train on them. Their size in tokens
+    comes from the recipe's ``data.image_min_pixels``/``image_max_pixels``."""
+    from ligertune.paths import ASSETS_DIR
+
+    images = sorted((ASSETS_DIR / "vl_images").glob("*.png"))
+    lines = []
+    for row in range(rows):
+        parts = [{"type": "image", "path": str(images[(row * images_per_row + i) % len(images)])}
+                 for i in range(images_per_row)]  # fmt: skip
+        question = {"type": "text", "text": "Describe each picture in order."}
+        messages = [{"role": "user", "content": [*parts, question]},
+                    {"role": "assistant", "content": "Shapes of several colours, one per picture."}]  # fmt: skip
+        lines.append(json.dumps({"messages": messages}) + "\n")
+    path.write_text("".join(lines))
+    return ["data.format=chat", f"data.path={json.dumps(str(path.resolve()))}", "data.packing=false"]
 
 
 def _fmt(value, spec: str, suffix: str = "") -> str:
@@ -217,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--title", default=None, help="plot title")
     parser.add_argument("--random-rows", type=int, default=None, help="train on N rows of random token ids")
+    parser.add_argument(
+        "--image-rows", type=int, default=None, help="vision-language: train on N chat rows of bundled images"
+    )
+    parser.add_argument("--images-per-row", type=int, default=4, help="with --image-rows")
     args = parser.parse_intermixed_args(argv)
 
     providers = [p.strip() for p in args.providers.split(",") if p.strip()]
@@ -251,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
         base += random_token_data(
             args.out / "random-tokens.jsonl", args.random_rows, max(lengths[-1] or 2048, 1)
         )
+    if args.image_rows:
+        base += image_chat_data(args.out / "image-rows.jsonl", args.image_rows, args.images_per_row)
 
     started = time.monotonic()
     results, failed = [], set()

@@ -9,9 +9,11 @@ every provider on the same inputs:
                 logits, log-probs, clipped loss and KL, the gradient in the same pass);
 - ``eager``:    the same loss from materialised logits (its reference: what TRL computes);
 - ``compile``:  ``torch.compile`` of ``eager``;
-- ``liger``:    Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (chunked, torch.compile'd per chunk),
-                when installed; its arguments are read from its signature, and its loss type set to
-                ours (``--loss-type``) when it knows it.
+- ``liger-chunkC``: Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (chunked, torch.compile'd per
+                chunk), when installed, once per ``--liger-chunk-sizes`` value C (completions per
+                chunk: its default of 1, which TRL's ``use_liger_kernel`` constructs, and larger);
+                its arguments are read from its signature, and its loss type set to ours
+                (``--loss-type``) when it knows it.
 
 Time is `triton.testing.do_bench`'s median; memory is the peak allocated above the inputs. The
 matmul floor: three [N × H] × [H × V] products (logits, dh, dW), timed with torch.mm on the same
@@ -96,10 +98,11 @@ def _eager(spec):
     return run
 
 
-def _liger(spec, rows):
+def _liger(spec, rows, chunk_size):
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
     wanted = dict(
+        chunk_size=chunk_size,
         beta=spec.beta,
         epsilon_low=spec.epsilon,
         epsilon_high=spec.high,
@@ -110,6 +113,7 @@ def _liger(spec, rows):
     accepted = inspect.signature(LigerFusedLinearGRPOLoss.__init__).parameters
     module = LigerFusedLinearGRPOLoss(**{k: v for k, v in wanted.items() if k in accepted})
     note = "loss_type " + (spec.loss_type if "loss_type" in accepted else "its default (token mean)")
+    note += f", chunk_size {chunk_size}" if "chunk_size" in accepted else ", chunk_size not an argument"
 
     def run(h, w, target, advantages, old, ref):
         mask = (target != -100).view(rows, -1)
@@ -142,10 +146,13 @@ def bench_loss(args) -> dict:
     providers = {"ours": _ours(spec), "eager": _eager(spec)}
     providers["compile"] = torch.compile(_eager(spec))
     notes = {}
-    try:
-        providers["liger"], notes["liger"] = _liger(spec, args.rows)
-    except ImportError as e:
-        notes["liger"] = f"not installed ({e})"
+    for chunk in args.liger_chunk_sizes:
+        name = f"liger-chunk{chunk}"
+        try:
+            providers[name], notes[name] = _liger(spec, args.rows, chunk)
+        except ImportError as e:
+            notes[name] = f"not installed ({e})"
+            break
     floor = matmul_floor_ms(args.rows * args.seq, args.hidden, args.vocab)
     results = {}
     for name, fn in providers.items():
@@ -435,6 +442,12 @@ def main(argv=None) -> int:
     parser.add_argument("--hidden", type=int, default=1536)
     parser.add_argument("--vocab", type=int, default=151936)
     parser.add_argument("--loss-type", default="grpo")
+    parser.add_argument(
+        "--liger-chunk-sizes",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 8],
+        help="loss: Liger's chunk_size values to time (completions per compiled chunk; its default is 1)",
+    )
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro", type=int, default=8)
