@@ -69,10 +69,6 @@ def one_torch_thread():
         (["lora=null", "model.quantize=4bit"], "model.quantize: 4bit freezes the base weights"),
         (["parallel.strategy=deepspeed"], "lora: not supported with parallel.strategy deepspeed"),
         (["model.quantize=4bit", "parallel.strategy=fsdp"], "not supported with parallel.strategy fsdp"),
-        (
-            ["parallel.strategy=fsdp", "parallel.sharded_init=true"],
-            "parallel.sharded_init: true is not supported",
-        ),
         (["lora=null", "export.merge_lora=true"], "export.merge_lora: there is nothing to merge"),
         (["training.fp8=rowwise"], "training.fp8: not supported with lora"),
     ],
@@ -81,13 +77,6 @@ def test_recipe_errors_name_the_key(overrides, message):
     with pytest.raises(RecipeError) as info:
         lora_recipe(*overrides)
     assert any(message in problem for problem in info.value.problems), info.value.problems
-
-
-def test_lora_turns_sharded_init_auto_off():
-    assert not lora_recipe("parallel.strategy=fsdp").parallel.shards_at_init
-    assert load_recipe(
-        ROOT / "recipes" / "quickstart.yaml", ["parallel.strategy=fsdp"]
-    ).parallel.shards_at_init
 
 
 def test_quantize_is_a_machine_error_on_cpu():

@@ -292,6 +292,12 @@ def test_the_resume_table_decides_precision_strategy_world_size_and_kernels():
         "product: e.g. twice the micro-batch on half the processes). Set it back, or start over with "
         "checkpoint.resume=none or another output_dir"
     ]
+    # A LoRA run saved while auto resolved to false with lora resumes now that it shards.
+    lora = ("training.micro_batch_size=2", "parallel.strategy=fsdp", "lora.r=4")
+    saved = _flat_recipe(*lora, "parallel.sharded_init=false")
+    applied, refused = _changes(saved, _flat_recipe(*lora), saved_format="dcp", current_format="dcp")
+    assert not refused and "resume: parallel.sharded_init False → 'auto' (applied)" in applied
+
     zero = _flat_recipe(
         "training.micro_batch_size=2", "parallel.strategy=deepspeed", "training.precision=fp32"
     )

@@ -21,6 +21,7 @@ import torch
 
 from ligertune.config import RecipeError, load_recipe
 from ligertune.models.build import build_model
+from ligertune.training.transforms import state_transforms
 from tests.helpers import PLAIN_RUN, QUICKSTART, ROOT, TINY_MODEL
 from tests.test_distributed import FP32_RTOL, _env, assert_losses_close, losses
 
@@ -32,6 +33,12 @@ TWO_RANKS = [
 ]
 ZERO3 = ["parallel.strategy=deepspeed", "training.precision=fp32"]
 ONE_RANK = ["training.micro_batch_size=4", "training.gradient_accumulation_steps=2"]
+# Adapters on every linear layer; trained in full, the embeddings (peft's ModulesToSaveWrapper:
+# another renaming; not with tied embeddings, which peft warns about); DoRA's magnitudes are
+# computed from the base weights at init.
+LORA = ["lora.r=4", "lora.alpha=8", "lora.dropout=0.1"]
+SAVE = ["lora.modules_to_save=[embed_tokens]"]
+DORA = ["lora.use_dora=true"]
 
 
 def _launch(runs: list, work: Path) -> str:
@@ -55,10 +62,11 @@ def _launch(runs: list, work: Path) -> str:
 
 
 def _one_process_state(overrides: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The plain build's state dict and buffers (non-persistent ones included)."""
+    """The plain build's state dict and buffers (non-persistent ones included), through the
+    transforms that change the state (LoRA's) as the trainer applies them."""
     recipe = load_recipe(QUICKSTART, overrides)
     torch.manual_seed(recipe.seed)
-    model = build_model(recipe, torch.device("cpu"))
+    model = state_transforms(recipe)(build_model(recipe, torch.device("cpu")))
     return model.state_dict(), dict(model.named_buffers())
 
 
@@ -72,7 +80,7 @@ def _assert_bitwise_equal(got: dict[str, torch.Tensor], expected: dict[str, torc
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> dict[str, Path]:
     """One launch: the random-init build, a build from saved weights (with tied embeddings, so the
-    tie survives sharding), and the plain fsdp build as the control."""
+    tie survives sharding), and the plain fsdp build as the control; the same with LoRA."""
     root = tmp_path_factory.mktemp("sharded")
     weights = root / "weights"
     recipe = load_recipe(QUICKSTART, TINY + ["model.config_overrides.tie_word_embeddings=true"])
@@ -90,6 +98,10 @@ def built(tmp_path_factory) -> dict[str, Path]:
         "zero3-random": TINY + TWO_RANKS + ZERO3,
         "zero3-pretrained": TINY + TWO_RANKS + ZERO3 + pretrained,
     }
+    lora = {"lora-random": LORA + SAVE, "lora-pretrained": LORA + DORA + pretrained}
+    for name, overrides in lora.items():  # each sharded, and built whole as the control
+        cases[name] = TINY + TWO_RANKS + overrides
+        cases[f"{name}-plain"] = TINY + TWO_RANKS + overrides + ["parallel.sharded_init=false"]
     cases = {name: overrides + [f"output_dir={root / name}"] for name, overrides in cases.items()}
     _launch([{"overrides": o} for o in cases.values()], root)
     return {"root": root, "weights": weights, **{n: root / n for n in cases}}
@@ -155,6 +167,62 @@ def test_the_plain_fsdp_build_is_still_available(built):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("case", ["lora-random", "lora-pretrained"])
+def test_lora_sharded_init_equals_the_plain_lora_build_bit_for_bit(built, case):
+    """The peft model built on meta, sharded and filled from rank 0's build put through the same
+    LoRA transform: every parameter (base weights under peft's names, the adapters' seeded init,
+    the modules_to_save copy, DoRA's magnitudes from tied saved weights) equals the sharded_init=false run's and a
+    one-process build's, bit for bit."""
+    for rank in (0, 1):
+        report = json.loads((built[case] / f"report-rank{rank}.json").read_text())
+        assert report["params_before_wrap"] == ["meta"] and report["sharded_init"] is True
+        assert report["all_dtensor"] and report["local_fraction"] == pytest.approx(0.5, abs=0.02)
+    plain = json.loads((built[f"{case}-plain"] / "report-rank0.json").read_text())
+    assert plain["params_before_wrap"] == ["cpu"] and plain["sharded_init"] is False
+    state = torch.load(built[case] / "full_state.pt", weights_only=True)
+    _assert_bitwise_equal(
+        state, torch.load(built[f"{case}-plain"] / "full_state.pt", weights_only=True), case
+    )
+    expected_state, expected_buffers = _one_process_state(
+        json.loads((built[case] / "overrides.json").read_text())
+    )
+    _assert_bitwise_equal(state, expected_state, f"{case} vs one process")
+    for rank in (0, 1):
+        buffers = torch.load(built[case] / f"buffers-rank{rank}.pt", weights_only=True)
+        _assert_bitwise_equal(buffers, expected_buffers, f"{case} buffers rank {rank}")
+    # What was compared is peft's model: wrapped base weights, random A (B starts at zero).
+    lora_a = [v for k, v in state.items() if ".lora_A." in k]
+    assert any(k.endswith("q_proj.base_layer.weight") for k in state) and lora_a
+    assert all(a.abs().sum() > 0 for a in lora_a)
+    assert any(".modules_to_save." in k for k in state) is (case == "lora-random")
+    assert any("lora_magnitude_vector" in k for k in state) is (case == "lora-pretrained")
+
+
+@pytest.mark.slow
+def test_lora_sharded_init_trains_to_the_plain_lora_losses(tmp_path):
+    """Three steps of LoRA (dropout on, so the RNG state every rank continues from matters) from
+    saved weights under fsdp: sharded init and the whole-model build give the same losses and
+    gradient norms."""
+    weights = tmp_path / "weights"
+    torch.manual_seed(0)
+    build_model(load_recipe(QUICKSTART, TINY), torch.device("cpu")).save_pretrained(weights)
+    run = [
+        "training.max_steps=3",
+        "training.warmup_steps=1",
+        "model.config=null",
+        f"model.name_or_path={weights}",
+    ]
+    runs = {"sharded": ["parallel.sharded_init=true"], "plain": ["parallel.sharded_init=false"]}
+    _launch(
+        [TINY + TWO_RANKS + LORA + run + o + [f"output_dir={tmp_path / n}"] for n, o in runs.items()],
+        tmp_path,
+    )
+    for key in ("loss", "grad_norm"):
+        got, expected = losses(tmp_path / "sharded", key=key), losses(tmp_path / "plain", key=key)
+        assert sorted(got) == [1, 2, 3] and got == expected, key
+
+
+@pytest.mark.slow
 def test_sharded_init_trains_to_the_one_process_losses(tmp_path):
     """Four steps from saved weights under fsdp and ZeRO-3 with sharded init match one process at
     the same global batch: losses and gradient norms. (From a random init, the strategy tests of
@@ -215,6 +283,24 @@ def test_sharded_init_true_needs_a_sharding_strategy():
     )
 
 
+def test_lora_shards_at_init_and_what_refuses_it():
+    """LoRA no longer turns sharded init off under fsdp; what cannot shard with it is refused by
+    name: a quantised base (QLoRA) and adapters on the experts' 3-D weights under fsdp, and LoRA
+    under DeepSpeed at all."""
+    lora = ["lora.r=4", "parallel.strategy=fsdp"]
+    assert load_recipe(QUICKSTART, lora).parallel.shards_at_init is True
+    assert load_recipe(QUICKSTART, [*lora, "parallel.sharded_init=true"]).parallel.shards_at_init is True
+    assert load_recipe(QUICKSTART, [*lora, "parallel.sharded_init=false"]).parallel.shards_at_init is False
+    refused = {
+        "model.quantize=4bit": "model.quantize: not supported with parallel.strategy fsdp",
+        "lora.target_parameters=experts": "lora.target_parameters: not supported with parallel.strategy fsdp",
+        "parallel.strategy=deepspeed": "lora: not supported with parallel.strategy deepspeed",
+    }
+    for override, message in refused.items():
+        with pytest.raises(RecipeError, match=message):
+            load_recipe(QUICKSTART, [*lora, "parallel.sharded_init=true", "lora.dropout=0", override])
+
+
 # --------------------------------------------------------------------------------------------
 # The worker
 # --------------------------------------------------------------------------------------------
@@ -227,7 +313,7 @@ def _build(overrides: list[str]) -> None:
 
     from ligertune.distributed import create_runtime
     from ligertune.training.optim import build_optimizer
-    from ligertune.training.transforms import apply_transforms
+    from ligertune.training.transforms import apply_transforms, state_transforms
 
     recipe = load_recipe(QUICKSTART, overrides)
     out = recipe.run_dir
@@ -246,14 +332,16 @@ def _build(overrides: list[str]) -> None:
     if report["zero3_partitioned"]:
         report["local_fraction"] = sum(p.ds_tensor.numel() for p in params) / sum(p.ds_numel for p in params)
     model, _ = apply_transforms(model, recipe)
-    model, _ = runtime.wrap(model, lambda module, where: build_optimizer(module, recipe.training, where))
+    model, _ = runtime.wrap(
+        model, lambda module, where: build_optimizer(module, recipe.training, where), state_transforms(recipe)
+    )
     hf_model = runtime.unwrap(model)
     if recipe.parallel.strategy == "fsdp":
         params = list(model.parameters())
         report["all_dtensor"] = all(isinstance(p, DTensor) for p in params)
         local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in params)
         report["local_fraction"] = local / sum(p.numel() for p in params)
-    report["tied"] = hf_model.lm_head.weight is hf_model.model.embed_tokens.weight
+    report["tied"] = hf_model.get_output_embeddings().weight is hf_model.get_input_embeddings().weight
     state = runtime.full_model_state_dict(model)
     rank = dist.get_rank()
     torch.save({n: b.detach().clone() for n, b in hf_model.named_buffers()}, out / f"buffers-rank{rank}.pt")

@@ -255,8 +255,7 @@ def _push_needs_export(recipe: Recipe) -> list[str]:
 
 @rule("lora.combinations")
 def _lora_combinations(recipe: Recipe) -> list[str]:
-    """LoRA goes together with what supports it: model.quantize needs lora; lora trains without fp8 and without
-    sharded init; adapters on the experts (lora.target_parameters) take no dropout, DoRA or quantised base;
+    """LoRA goes together with what supports it: model.quantize needs lora; lora trains without fp8; adapters on the experts (lora.target_parameters) take no dropout, DoRA or quantised base;
     export.merge_lora needs lora."""
     lora, quantize = recipe.lora, recipe.model.quantize
     problems = []
@@ -268,11 +267,6 @@ def _lora_combinations(recipe: Recipe) -> list[str]:
     if lora is not None and recipe.training.fp8 != "none":
         problems.append(
             "training.fp8: not supported with lora (peft cannot wrap float8 layers); set training.fp8=none"
-        )
-    if lora is not None and recipe.parallel.sharded_init is True:
-        problems.append(
-            "parallel.sharded_init: true is not supported with lora (the shards are filled from a plain "
-            "model's state dict); set parallel.sharded_init=auto"
         )
     if lora is not None and lora.target_parameters is not None:
         problems += _expert_adapter_problems(recipe)

@@ -18,7 +18,7 @@ class DDPRuntime(ProcessGroupRuntime):
 
     options_model = DDPParallel
 
-    def wrap(self, model, make_optimizer):
+    def wrap(self, model, make_optimizer, transforms):
         from torch.nn.parallel import DistributedDataParallel
 
         model = model.to(self.device)

@@ -120,7 +120,7 @@ class DeepSpeedRuntime(ProcessGroupRuntime):
             self.share_init_rng_state()
         return model
 
-    def wrap(self, model, make_optimizer):
+    def wrap(self, model, make_optimizer, transforms):
         import deepspeed
 
         # DeepSpeed logs its whole config and every step at INFO on every rank.

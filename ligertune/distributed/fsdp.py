@@ -11,7 +11,7 @@ from torch import nn
 
 from ligertune.catalog.strategies import FSDPParallel
 from ligertune.config import Recipe
-from ligertune.distributed.runtime import ProcessGroupRuntime, has_frozen_parameters
+from ligertune.distributed.runtime import ProcessGroupRuntime, StateTransforms, has_frozen_parameters
 from ligertune.models.build import build_model, decoder_layers
 from ligertune.run.safe_load import dcp_load
 
@@ -51,7 +51,11 @@ class FSDPRuntime(ProcessGroupRuntime):
     rank 0's host memory (a 70B model in bf16: 140 GB, which an 8-GPU host has) and a broadcast
     of every weight at start. Buffers are broadcast from rank 0's model as well: the
     non-persistent ones (rotary ``inv_freq``) are in no state dict, and copying them needs no
-    knowledge of how a family computes them. Not with ``cpu_offload`` yet (the recipe rules
+    knowledge of how a family computes them. With LoRA the empty model is the peft model the
+    transforms made of it, and rank 0's whole build goes through the same transforms that change
+    parameters (`wrap`'s `transforms`), from the RNG state of the empty build: its state dict has
+    peft's names and the adapters the plain run initialises (see
+    `ProcessGroupRuntime.whole_model_on_rank0`). Not with ``cpu_offload`` yet (the recipe rules
     turn it off): the shards would be allocated in CPU memory, which NCCL cannot broadcast into.
     """
 
@@ -89,10 +93,11 @@ class FSDPRuntime(ProcessGroupRuntime):
     def build_model(self, recipe):
         if not self.sharded_init:
             return super().build_model(recipe)
+        self.remember_build_rng_state()
         return build_model(recipe, self.device, empty=True)
 
-    def wrap(self, model, make_optimizer):
-        model = self._shard(model, self.recipe, self._shard_options(), trains=True)
+    def wrap(self, model, make_optimizer, transforms):
+        model = self._shard(model, self.recipe, self._shard_options(), trains=True, transforms=transforms)
         return model, make_optimizer(model, self.param_device)
 
     @contextlib.contextmanager
@@ -127,9 +132,17 @@ class FSDPRuntime(ProcessGroupRuntime):
             model, recipe, {**self._shard_options(), "reshard_after_forward": True}, trains=False
         )
 
-    def _shard(self, model: nn.Module, recipe: Recipe, options: dict[str, Any], trains: bool) -> nn.Module:
+    def _shard(
+        self,
+        model: nn.Module,
+        recipe: Recipe,
+        options: dict[str, Any],
+        trains: bool,
+        transforms: StateTransforms | None = None,
+    ) -> nn.Module:
         """``fully_shard`` on every decoder layer and then the root; a model built empty (sharded
-        init) gets its shards filled from rank 0's build of `recipe`. *Collective.*
+        init) gets its shards filled from rank 0's build of `recipe`, put through `transforms`
+        (a frozen model has none that change its parameters). *Collective.*
 
         For a model that trains, the last decoder layer is never resharded after forward: its
         backward is the first, right after the forward ends, so freeing its weights would only
@@ -155,18 +168,18 @@ class FSDPRuntime(ProcessGroupRuntime):
                 layer.set_modules_to_forward_prefetch(layers[index + 1 : index + 1 + depth])
                 layer.set_modules_to_backward_prefetch(layers[max(0, index - depth) : index][::-1])
         if empty:
-            self._fill_shards(model, recipe)
+            self._fill_shards(model, recipe, transforms)
         return model
 
     # -- sharded initialisation -----------------------------------------------------------
 
-    def _fill_shards(self, model: nn.Module, recipe: Recipe) -> None:
+    def _fill_shards(self, model: nn.Module, recipe: Recipe, transforms: StateTransforms | None) -> None:
         """Allocate this rank's shards of the sharded meta model and fill them with the weights
-        of rank 0's plain build of `recipe`. *Collective.*"""
+        of rank 0's plain build of `recipe`, put through `transforms`. *Collective.*"""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         model.to_empty(device=self.device)  # this rank's shards and the (unsharded) buffers
-        source = self.whole_model_on_rank0(recipe, model) if self.is_main else None
+        source = self.whole_model_on_rank0(recipe, model, transforms) if self.is_main else None
         full_state = source.state_dict() if source is not None else {}
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=True)
         set_model_state_dict(model, full_state, options=options)

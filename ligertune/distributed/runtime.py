@@ -56,6 +56,10 @@ from ligertune.run.checkpoint import Checkpoint, write_full_state
 
 # (module, where its parameters live) -> the optimizer over them; see `Runtime.wrap`.
 OptimizerFactory = Callable[[nn.Module, torch.device], torch.optim.Optimizer]
+# What the training loop did to the model between `Runtime.build_model` and `Runtime.wrap` that
+# changes its parameters (LoRA's adapters), as one call returning the model to go on with; a
+# sharded init repeats it on the whole model rank 0 fills the shards from (see `Runtime.wrap`).
+StateTransforms = Callable[[nn.Module], nn.Module]
 
 
 class Runtime(Implements):
@@ -136,12 +140,16 @@ class Runtime(Implements):
         return build_model(recipe, self.device)
 
     def wrap(
-        self, model: nn.Module, make_optimizer: OptimizerFactory
+        self, model: nn.Module, make_optimizer: OptimizerFactory, transforms: StateTransforms
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Move the model to its device, wrap it for the strategy and build the optimizer over
         the parameters the strategy trains. Returns (what to call, the optimizer whose
         ``param_groups`` carry the lr the schedule sets). The model must already be patched
-        and checkpoint-wrapped (`ligertune.training.transforms`)."""
+        and checkpoint-wrapped (`ligertune.training.transforms`). `transforms` is what of that
+        changed its parameters (`ligertune.training.transforms.state_transforms`): fsdp's sharded
+        init applies it to rank 0's whole build, whose state then has the transformed model's
+        names and values (peft's adapters included). The others ignore it: their model is whole
+        already, or built inside ZeRO-3's ``zero.Init`` (DeepSpeed, which trains no LoRA)."""
         model = model.to(self.device)
         return model, make_optimizer(model, self.param_device)
 
@@ -330,15 +338,36 @@ class ProcessGroupRuntime(Runtime):
     # -- sharded initialisation (fsdp, ZeRO-3) -----------------------------------------------
 
     _init_rng_state: list | None = None
+    # The RNG state when `build_model` built the empty model, for `whole_model_on_rank0`.
+    _build_rng_state: list | None = None
 
-    def whole_model_on_rank0(self, recipe: Recipe, empty: nn.Module) -> nn.Module:
+    def remember_build_rng_state(self) -> None:
+        """Keep the RNG state as the plain build would find it, for `whole_model_on_rank0` to
+        start from. Called where the empty model is built: the transforms that run on it before
+        the shards are filled draw random numbers too (peft initialises each adapter on the CPU
+        before moving it to the meta device), and the plain path draws them *after* the init."""
+        self._build_rng_state = _rng_state(self.device)
+
+    def whole_model_on_rank0(
+        self, recipe: Recipe, empty: nn.Module, transforms: StateTransforms | None = None
+    ) -> nn.Module:
         """Rank 0's whole model, the source of every rank's shards in a sharded init: the plain
         build, so its weights are exactly those of an unsharded run. Pretrained weights are
         loaded into CPU memory. A random init is made where the plain build makes it (this
         rank's device: CUDA and CPU draw different random numbers for the same seed) when it
         takes less than half of the GPU's free memory (`empty`, the meta model, says how
         much); else on the CPU, and the run log says the weights differ from a one-GPU run's.
-        The RNG state right after the init is kept for `share_init_rng_state`."""
+
+        `transforms` (what the training loop did to `empty` that changes its parameters: LoRA)
+        then runs on it, as it runs after the build in the plain path. That is how the whole
+        model gets the empty one's names (peft's ``base_model.model.…base_layer.weight`` and
+        its adapters) without a table mapping one onto the other, and how the adapters get the
+        plain run's init: the build starts from the RNG state `remember_build_rng_state` kept,
+        so the init and then the adapters draw the same numbers in the same order as there.
+        The RNG state right after both is kept for `share_init_rng_state`."""
+        if self._build_rng_state is not None:
+            _set_rng_state(self._build_rng_state, self.device)
+            self._build_rng_state = None
         device = torch.device("cpu")
         if recipe.model.config is not None and self.device.type == "cuda":
             needed = sum(p.numel() * p.element_size() for p in empty.parameters())
@@ -351,10 +380,9 @@ class ProcessGroupRuntime(Runtime):
                     "GPU: same distribution, other random numbers than a one-GPU run of this recipe"
                 )
         model = build_model(recipe, device)
-        self._init_rng_state = [
-            torch.get_rng_state(),
-            torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,
-        ]
+        if transforms is not None:
+            model = transforms(model)
+        self._init_rng_state = _rng_state(self.device)
         return model
 
     def share_init_rng_state(self) -> None:
@@ -363,10 +391,19 @@ class ProcessGroupRuntime(Runtime):
         them here). *Collective.*"""
         states = self._init_rng_state or [None, None]
         dist.broadcast_object_list(states, src=0)
-        self._init_rng_state = None
-        torch.set_rng_state(states[0])
-        if states[1] is not None:
-            torch.cuda.set_rng_state(states[1], self.device)
+        self._init_rng_state = self._build_rng_state = None
+        _set_rng_state(states, self.device)
+
+
+def _rng_state(device: torch.device) -> list:
+    """The CPU generator's state and, on a GPU, that device's (what a model build draws from)."""
+    return [torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None]
+
+
+def _set_rng_state(states: list, device: torch.device) -> None:
+    torch.set_rng_state(states[0])
+    if states[1] is not None:
+        torch.cuda.set_rng_state(states[1], device)
 
 
 def leave_process_groups(synchronised: bool) -> None:

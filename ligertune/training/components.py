@@ -34,7 +34,7 @@ from ligertune.models.shape import model_shape
 from ligertune.objectives import Objective, build_objective
 from ligertune.run.metrics import count_label
 from ligertune.training.optim import autocast_for, build_optimizer, build_scheduler
-from ligertune.training.transforms import apply_transforms
+from ligertune.training.transforms import apply_transforms, state_transforms
 
 
 @dataclass
@@ -93,7 +93,7 @@ def build(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> Compo
     hf_model, reports = apply_transforms(model, recipe)
     started = time.perf_counter()
     wrapped, optimizer = runtime.wrap(
-        hf_model, lambda module, where: build_optimizer(module, training, where)
+        hf_model, lambda module, where: build_optimizer(module, training, where), state_transforms(recipe)
     )
     wrapped_for = f"wrapped the model for {runtime.strategy}, " if recipe.parallel.multi_process else ""
     log(f"{wrapped_for}built the optimizer in {time.perf_counter() - started:.1f} s")

@@ -271,6 +271,12 @@ RESUME_RULES: dict[str, str | Callable[[_Compared], str | None] | None] = {
     "training.precision": PRECISION_SAVED,
     "kernels": _APPLY,
     "parallel.strategy": _same_format,
+    # How the model is built before the checkpoint is loaded over it: the plain build's weights
+    # either way (docs/distributed.md), so a LoRA run's frozen base is the same too. A LoRA
+    # recipe saved before LoRA could shard at init has ``false`` written out (auto was resolved
+    # in place then) and resumes under ``auto``. Not the same: a random init too large for half
+    # of rank 0's GPU, made on its CPU under sharded init (the run log says so at the start).
+    "parallel.sharded_init": _APPLY,
     # each strategy's own options: what it declares (`ligertune.catalog.strategies`)
     **{f"parallel.{key}": rule for strategy in STRATEGIES for key, rule in strategy.resume_rules.items()},
     "logging": _APPLY,

@@ -47,8 +47,8 @@ class ParallelOptions(Section):
         "auto",
         description="Build the model empty (meta device), shard it, then fill each rank's shards from "
         "rank 0 (fsdp) or build it inside deepspeed.zero.Init (ZeRO-3), so no GPU holds the whole "
-        "model. auto: on for fsdp (without cpu_offload) and deepspeed stage 3 (off with lora); true "
-        "elsewhere is an error.",
+        "model; with lora, rank 0's copy gets the adapters through the same transform. auto: on for "
+        "fsdp (without cpu_offload) and deepspeed stage 3; true elsewhere is an error.",
     )
 
     summary: ClassVar[str] = ""  # one line for the recipe reference

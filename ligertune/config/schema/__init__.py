@@ -104,15 +104,6 @@ class Recipe(Section):
         return value
 
     @model_validator(mode="after")
-    def _lora_builds_whole(self) -> Recipe:
-        """``parallel.sharded_init: auto`` resolves to off with lora: the sharded build fills the
-        shards from a plain model's state dict, whose names are not the adapted model's. The
-        rule ``lora.sharded_init`` refuses an explicit true."""
-        if self.lora is not None and self.parallel.sharded_init == "auto":
-            self.parallel.sharded_init = False
-        return self
-
-    @model_validator(mode="after")
     def _pairs_unpacked(self) -> Recipe:
         """Preference and kto rows hold two sequences trained as a pair, which packing cannot keep
         together, and a prompt row is completed into its own row: data.packing defaults to off for

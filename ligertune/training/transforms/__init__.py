@@ -47,6 +47,10 @@ class ModelTransform:
     applies: Callable[[Recipe], bool]
     # → (the model to go on with, what to report in the run log or None)
     apply: Callable[[nn.Module, Recipe], tuple[nn.Module, object | None]]
+    # Whether it adds or renames parameters and draws random numbers to initialise them
+    # (`state_transforms`); the others change how the model computes or trains, not what its
+    # state dict holds.
+    changes_state: bool = False
 
 
 def _attention(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
@@ -208,7 +212,7 @@ TRANSFORMS: tuple[ModelTransform, ...] = (
     ModelTransform("kernels", lambda r: bool(r.kernels.enabled()), _kernels),
     ModelTransform("plugins", lambda r: bool(r.plugins), _plugins),
     ModelTransform("freeze", lambda r: bool(r.model.freeze), _freeze),
-    ModelTransform("lora", lambda r: r.lora is not None, _lora),
+    ModelTransform("lora", lambda r: r.lora is not None, _lora, changes_state=True),
     ModelTransform("fp8", lambda r: r.training.fp8 != "none", _fp8),
     ModelTransform(
         "activation_checkpointing",
@@ -232,3 +236,31 @@ def apply_transforms(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, dict[
                 reports[transform.name] = report
     model.train()
     return model, reports
+
+
+def state_transforms(recipe: Recipe) -> Callable[[nn.Module], nn.Module]:
+    """The transforms of `recipe` that change what the model holds (``changes_state``: LoRA,
+    whose peft wrapping renames the adapted weights ``…base_layer.weight`` and adds seeded
+    adapters), in `TRANSFORMS` order, as one call on a model.
+
+    A sharded init hands it to the runtime (`ligertune.distributed.runtime.Runtime.wrap`):
+    rank 0 fills every rank's shards from a whole build of the recipe, which must hold the
+    parameters of the transformed empty model, under the same names, initialised from the same
+    random numbers. Running these transforms on that build gives both at once, with no table
+    mapping plain names onto peft's: the names are peft's own, and the adapters are drawn right
+    after the init, as in the plain path (the transforms before lora draw none). The others are
+    left out: attention and kernels patch forwards, freeze sets requires_grad, fp8 swaps a
+    Linear for a subclass with the same parameters, checkpointing and compile wrap calls, none
+    of which the whole build, only read for its values, needs. Plugins are left out too,
+    although one may add or change parameters: a plugin may also patch process-wide state
+    (Liger rebinds functions of transformers), and applying it a second time on rank 0 alone
+    could make the ranks compute differently; under a sharded init a plugin's changes to the
+    parameters are therefore not carried to the shards (docs/distributed.md)."""
+    chosen = [t for t in TRANSFORMS if t.changes_state and t.applies(recipe)]
+
+    def apply(model: nn.Module) -> nn.Module:
+        for transform in chosen:
+            model, _ = transform.apply(model, recipe)
+        return model
+
+    return apply
