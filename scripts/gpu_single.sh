@@ -20,7 +20,7 @@
 #             per provider, throughput and memory against the length
 #   moe       the MoE GPU tests; scripts/moe_bench.py (the experts block at three shapes); e2e_bench
 #             on the Qwen3-30B-A3B shape cut to 4 layers, bf16, bs 2 × 4096 random tokens: HF
-#             (grouped_mm experts), ours with HF's experts, ours with moe_experts, Liger
+#             (grouped_mm experts), ours with HF's experts, ours (moe_experts), Liger
 #   vision    the vision-language GPU tests; e2e_bench on the Qwen2.5-VL-7B shape, 4 images of
 #             896 × 896 (4 × 1024 tokens) per row, bs 2: eager, ours, Liger
 #   vision_lora  the same rows on the LoRA bench recipe: HF + peft, ours, Liger
@@ -79,7 +79,7 @@ lane_moe() {
   "$PYTHON" scripts/e2e_bench.py recipes/qwen3-30b-a3b-alpaca-bench.yaml parallel.strategy=none \
     'model.config_overrides={num_hidden_layers: 4}' training.precision=bf16 training.micro_batch_size=2 \
     training.activation_checkpointing=none --seq-lens 4096 --random-rows 16 --steps 10 --warmup 4 \
-    --providers eager,ligertune,ligertune-moe,liger --timeout 100 --time-budget 150 --out "$WORK/moe/e2e" \
+    --providers eager,ligertune-hf-experts,ligertune,liger --timeout 100 --time-budget 150 --out "$WORK/moe/e2e" \
     --title "Qwen3-30B-A3B shape, 4 layers, 1 GPU, bs 2 × 4096, bf16"
 }
 

@@ -88,7 +88,7 @@ def _adapted_pair(model_type: str):
     recipe = lora_recipe(*EXPERTS, ATTENTION)
     plain, _ = apply_lora(copy.deepcopy(base), recipe)
     patched_base = copy.deepcopy(base)
-    patch_model(patched_base, KernelsSection(moe_experts=True))  # not part of `all` yet
+    patch_model(patched_base, KernelsSection(moe_experts=True))
     patched, report = apply_lora(patched_base, recipe)
     with torch.no_grad():
         for name, p in plain.named_parameters():

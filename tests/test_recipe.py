@@ -117,8 +117,7 @@ def test_kernel_presets():
     assert "fused_linear_cross_entropy" in everything.kernels.enabled()
     assert "cross_entropy" not in everything.kernels.enabled(), "all must not enable both loss kernels"
     assert nothing.kernels.enabled() == []
-    # moe_experts: not part of `all` until it has run on a GPU (its catalog entry).
-    assert set(everything.kernels.enabled()) == set(KERNEL_NAMES) - {"cross_entropy", "moe_experts"}
+    assert set(everything.kernels.enabled()) == set(KERNEL_NAMES) - {"cross_entropy"}
     # An override can switch one kernel off after a preset.
     raw = apply_overrides({**base, "kernels": "all"}, ["kernels.rope=false"])
     assert "rope" not in validate_recipe(raw, base_dir=BROKEN).kernels.enabled()

@@ -38,9 +38,9 @@ KERNELS: tuple[KernelEntry, ...] = (
     KernelEntry(
         "moe_experts",
         "Mixture-of-experts routed experts on grouped GEMMs with a fused, recomputed gated "
-        "activation (Qwen3-MoE, Qwen2-MoE, Mixtral, GPT-OSS). Off under `kernels: all` until it has "
-        "been checked and timed on a GPU (docs/moe.md); exact against transformers' experts on CPU.",
-        False,
+        "activation (Qwen3-MoE, Qwen2-MoE, Mixtral, GPT-OSS); transformers' own experts where it cannot "
+        "compute them (docs/moe.md).",
+        True,
     ),
     KernelEntry("cross_entropy", "Triton cross entropy over materialised logits.", False, replaces="loss"),
     KernelEntry(

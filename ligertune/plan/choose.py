@@ -151,7 +151,7 @@ def cheapest_fix(shape: ModelShape, base: Setting, gpu_bytes: int) -> str:
 
     if not OUR_KERNELS <= base.kernels:
         fix("kernels=all", replace(smallest, kernels=(smallest.kernels - {"cross_entropy"}) | OUR_KERNELS))
-    # moe_experts is not part of `kernels: all` yet (its catalog entry) and changes the bytes of a
+    # moe_experts (on under `kernels: all`, but a recipe may turn it off) changes the bytes of a
     # mixture of experts only: a dense recipe is never told to turn it on.
     if shape.experts and "moe_experts" not in base.kernels:
         fix("kernels.moe_experts=true", replace(smallest, kernels=smallest.kernels | {"moe_experts"}))

@@ -52,8 +52,8 @@ PROVIDERS: dict[str, Provider] = {
         DEFAULT_KERNELS, default_attention="sdpa"
     ),  # ours without the packed-row backend
     "ligertune-compile": Provider(DEFAULT_KERNELS, ("training.compile=true",)),
-    # MoE models: our experts kernel on top (off in `kernels: all` until measured on a GPU).
-    "ligertune-moe": Provider((*DEFAULT_KERNELS, "moe_experts")),
+    # MoE models: our kernels with transformers' own experts (grouped_mm), what moe_experts buys.
+    "ligertune-hf-experts": Provider(tuple(k for k in DEFAULT_KERNELS if k != "moe_experts")),
     "ligertune-compile-fp8": Provider(DEFAULT_KERNELS, ("training.compile=true", "training.fp8=rowwise")),
     # tensorwise scales: under FSDP2 the weights are also all-gathered in float8
     "ligertune-compile-fp8-tensorwise": Provider(
