@@ -42,6 +42,13 @@ KERNELS: tuple[KernelEntry, ...] = (
         "been checked and timed on a GPU (docs/moe.md); exact against transformers' experts on CPU.",
         False,
     ),
+    KernelEntry(
+        "vision_attention",
+        "Qwen2.5-VL / Qwen3-VL vision tower: each layer's attention over all images and windows in one "
+        "FlexAttention call with a block-diagonal mask, instead of one call per image or window "
+        "(docs/vision.md).",
+        True,
+    ),
     KernelEntry("cross_entropy", "Triton cross entropy over materialised logits.", False, replaces="loss"),
     KernelEntry(
         "fused_linear_cross_entropy",
