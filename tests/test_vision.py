@@ -22,12 +22,12 @@ from ligertune.config import load_recipe
 from ligertune.data import load_tokenizer
 from ligertune.data.vision import TOKEN_TYPE_KEYS, VisionLoader, build_vision_datasets, load_processor
 from ligertune.errors import DataError, RecipeError
-from ligertune.models.build import build_model, freeze, tokens_per_image, vision_tower
 from ligertune.models import attention as attention_module
 from ligertune.models.attention import segment_attention, segment_block_mask, segment_mask
+from ligertune.models.build import build_model, freeze, tokens_per_image, vision_tower
 from ligertune.models.config import build_config
+from ligertune.patching import attention as attention_patch
 from ligertune.patching import patch_model
-from ligertune.patching import vision as vision_patch
 from ligertune.paths import ASSETS_DIR
 from tests.helpers import ROOT, pythonpath_with_root, run_repo_script
 
@@ -218,7 +218,7 @@ def test_vision_attention_matches_hfs_per_segment_attention_fp32(architecture, m
     assert "vision tower (model.visual, 4 blocks): vision_attention 4" in str(report)
 
     built = []
-    monkeypatch.setattr(vision_patch, "segment_mask", lambda *a: built.append(a) or segment_mask(*a))
+    monkeypatch.setattr(attention_patch, "segment_mask", lambda *a: built.append(a) or segment_mask(*a))
     grid = torch.tensor(GRIDS)
     config = reference.config.vision_config
     width = config.in_channels * config.temporal_patch_size * config.patch_size**2
