@@ -370,7 +370,9 @@ def test_cli_on_cpu_json_rows_cover_every_case(cpu_run):
         shape = tuple(int(d) for d in r["shape"].split("x"))
         assert r["bytes"] == minimal_bytes(r["kernel"], shape, torch.float32)[r["pass"]]
         module = KERNEL_MODULES[r["kernel"]]
-        ours_importable = module is None or importlib.util.find_spec(f"ligertune.kernels.{module}") is not None
+        ours_importable = (
+            module is None or importlib.util.find_spec(f"ligertune.kernels.{module}") is not None
+        )
         expected_status = "ok" if r["provider"] == "eager" or ours_importable else "unavailable"
         assert r["status"] == expected_status, r
         if r["status"] != "ok":

@@ -329,7 +329,9 @@ def _vision_attention_inputs(shape, dtype, device) -> Inputs:
     segments = [min(w, p - start) for _ in range(n_img) for start in range(0, p, w)]
     cu = torch.tensor([0, *segments], device=device).cumsum(0).to(torch.int32)
     qkv = {name: _randn(h, n_img * p, d, dtype=dtype, device=device) for name in ("q", "k", "v")}
-    return Inputs({**qkv, "cu_seqlens": cu}, (_randn(h, n_img * p, d, dtype=dtype, device=device, requires_grad=False),))
+    return Inputs(
+        {**qkv, "cu_seqlens": cu}, (_randn(h, n_img * p, d, dtype=dtype, device=device, requires_grad=False),)
+    )
 
 
 def _eager_vision_attention(inp: Inputs):
