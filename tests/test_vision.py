@@ -205,13 +205,16 @@ def _tower_forward_backward(model, pixels, grid):
     return out.last_hidden_state.detach(), features.detach(), pixels.grad, grads
 
 
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
 @pytest.mark.parametrize("architecture", ["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
-def test_vision_attention_matches_hfs_per_segment_attention_fp32(architecture, monkeypatch):
+def test_vision_attention_matches_hfs_per_segment_attention_fp32(architecture, checkpointing, monkeypatch):
     """Three images of different sizes, ragged windows, windowed and full layers: the tower's
     outputs, the pixels' gradient and every tower weight's gradient equal HF's per-segment SDPA
-    path; one block mask per distinct cu_seqlens per forward (Qwen2.5-VL: windows and images;
-    Qwen3-VL: images), not one per layer."""
+    path; one mask per distinct cu_seqlens per forward (Qwen2.5-VL: windows and images;
+    Qwen3-VL: images), not one per layer, and gradient checkpointing's recompute reuses them."""
     reference = _tower_model(architecture)
+    if checkpointing:
+        reference.gradient_checkpointing_enable()
     patched = copy.deepcopy(reference)
     report = patch_model(patched, _vision_only(True))
     assert report.patched["vision_attention"] == 4

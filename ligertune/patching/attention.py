@@ -46,7 +46,8 @@ from ligertune.patching.common import Patcher, partial_forward, patches
 class SegmentMasks:
     """The block masks of the last few ``cu_seqlens`` tensors seen by one vision tower's layers.
 
-    A key is the tensor's storage, offset, shape and version counter (and the sequence length);
+    A key is the tensor's device, storage, offset, shape and version counter (and the sequence
+    length);
     the entry holds the tensor itself, so its storage cannot be freed and reused while cached.
     A forward uses two tensors (windows and images); four entries also cover a recompute in
     backward interleaved with the next micro-batch's forward."""
@@ -56,6 +57,7 @@ class SegmentMasks:
 
     def get(self, cu_seqlens: torch.Tensor, length: int) -> BlockMask | torch.Tensor:
         key = (
+            cu_seqlens.device,
             cu_seqlens.untyped_storage().data_ptr(),
             cu_seqlens.storage_offset(),
             tuple(cu_seqlens.shape),
