@@ -172,12 +172,12 @@ def test_default_kernels_and_tolerance_follow_the_recipe(tmp_path):
     # The quickstart says `kernels: all`: the 'on' arm gets that selection.
     plan = make_plan(QUICKSTART, SMALL, out=tmp_path / "a")
     assert plan.kernels == [
-        "rms_norm", "layer_norm", "rope", "swiglu", "geglu", "fused_linear_cross_entropy",
+        "rms_norm", "layer_norm", "rope", "swiglu", "geglu", "vision_attention", "fused_linear_cross_entropy",
     ]  # fmt: skip
     # A recipe that enables some kernels is compared on those.
     recipe = tmp_path / "some-kernels.yaml"
     some = ("kernels: {rms_norm: true, rope: false, layer_norm: false, swiglu: false, geglu: false, "
-            "moe_experts: false, fused_linear_cross_entropy: true}")  # fmt: skip
+            "moe_experts: false, vision_attention: false, fused_linear_cross_entropy: true}")  # fmt: skip
     text, replaced = re.subn(r"(?m)^kernels:.*$", some, QUICKSTART.read_text())
     assert replaced == 1, "the quickstart must have one top-level kernels line to rewrite"
     recipe.write_text(text)

@@ -14,13 +14,19 @@ import sys
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 
+from ligertune.catalog.architectures import SHIPPED_CONFIGS
+from ligertune.catalog.kernels import KERNEL_NAMES
 from ligertune.config import load_recipe
 from ligertune.data import load_tokenizer
 from ligertune.data.vision import TOKEN_TYPE_KEYS, VisionLoader, build_vision_datasets, load_processor
 from ligertune.errors import DataError, RecipeError
+from ligertune.models import attention as attention_module
+from ligertune.models.attention import segment_attention, segment_block_mask, segment_mask
 from ligertune.models.build import build_model, freeze, tokens_per_image, vision_tower
 from ligertune.models.config import build_config
+from ligertune.patching import attention as attention_patch
 from ligertune.patching import patch_model
 from ligertune.paths import ASSETS_DIR
 from tests.helpers import ROOT, pythonpath_with_root, run_repo_script
@@ -75,9 +81,9 @@ PATCHED = {
     # rms_norm: 2 × 2 decoder + final; 2 × 2 vision blocks + the merger's ln_q. swiglu: 2 + 2 vision MLPs.
     "tiny-qwen2.5-vl": (
         QUICKSTART_VL,
-        {"rms_norm": 10, "swiglu": 4, "rope": 2, "fused_linear_cross_entropy": 1},
+        {"rms_norm": 10, "swiglu": 4, "rope": 2, "vision_attention": 2, "fused_linear_cross_entropy": 1},
         (
-            "vision tower (model.visual, 2 blocks): rms_norm 5, swiglu 2",
+            "vision tower (model.visual, 2 blocks): rms_norm 5, vision_attention 2, swiglu 2",
             "(apply_rotary_pos_emb_vision) is not patched",
         ),
         "model.visual.blocks.0.attn.qkv.weight",
@@ -87,9 +93,16 @@ PATCHED = {
     # blocks, the merger's and the deepstack merger's), its MLPs ungated.
     "tiny-qwen3-vl": (
         QUICKSTART_VL,
-        {"rms_norm": 9, "layer_norm": 6, "swiglu": 2, "rope": 2, "fused_linear_cross_entropy": 1},
+        {
+            "rms_norm": 9,
+            "layer_norm": 6,
+            "swiglu": 2,
+            "rope": 2,
+            "vision_attention": 2,
+            "fused_linear_cross_entropy": 1,
+        },
         (
-            "vision tower (model.visual, 2 blocks): layer_norm 6;",
+            "vision tower (model.visual, 2 blocks): layer_norm 6, vision_attention 2;",
             "(apply_rotary_pos_emb_vision) is not patched",
         ),
         "model.visual.blocks.0.attn.qkv.weight",
@@ -154,6 +167,155 @@ def test_patched_matches_unpatched_with_images_loss_and_grads(architecture):
     target = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]
     summed = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="sum")
     torch.testing.assert_close(losses[0], summed / n, rtol=1e-5, atol=1e-6)
+
+
+# -- the vision attention: one FlexAttention call per layer -------------------------------------
+
+# Patch grids (t, h, w) of three images of different sizes: 384 patches, not a multiple of flex's
+# 128-row tile once more than one image is counted in (160 + ... see below), with Qwen2.5-VL's
+# 2 × 2-merged-token windows cut short at the bottom and right edges (5 and 7 merged rows/columns).
+GRIDS = [[1, 10, 6], [1, 6, 14], [1, 4, 4]]  # 60 + 84 + 16 = 160 patches: padded to 256
+
+
+def _tower_model(architecture: str, depth: int = 4):
+    """The tiny model with a deeper vision tower: Qwen2.5-VL's blocks 1 and 3 attend over whole
+    images, 0 and 2 within windows; Qwen3-VL's all over whole images."""
+    config = copy.deepcopy(SHIPPED_CONFIGS[architecture])
+    config["vision_config"]["depth"] = depth
+    if config["model_type"] == "qwen2_5_vl":
+        config["vision_config"]["fullatt_block_indexes"] = [1, 3]
+    else:
+        config["vision_config"]["deepstack_visual_indexes"] = [1]
+    recipe = _recipe("training.precision=fp32", f"model.config={json.dumps(config)}")
+    return build_model(recipe, torch.device("cpu"))
+
+
+def _vision_only(on: bool) -> dict[str, bool]:
+    return {name: name == "vision_attention" and on for name in KERNEL_NAMES}
+
+
+def _tower_forward_backward(model, pixels, grid):
+    tower = model.model.visual
+    pixels = pixels.clone().requires_grad_()
+    out = tower(pixels, grid_thw=grid)
+    features = out.pooler_output
+    weights = torch.linspace(-1, 1, features.numel()).view_as(features)  # a loss that sees every output
+    (features * weights).sum().backward()
+    grads = {name: p.grad.clone() for name, p in tower.named_parameters() if p.grad is not None}
+    return out.last_hidden_state.detach(), features.detach(), pixels.grad, grads
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+@pytest.mark.parametrize("architecture", ["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
+def test_vision_attention_matches_hfs_per_segment_attention_fp32(architecture, checkpointing, monkeypatch):
+    """Three images of different sizes, ragged windows, windowed and full layers: the tower's
+    outputs, the pixels' gradient and every tower weight's gradient equal HF's per-segment SDPA
+    path; one mask per distinct cu_seqlens per forward (Qwen2.5-VL: windows and images;
+    Qwen3-VL: images), not one per layer, and gradient checkpointing's recompute reuses them."""
+    reference = _tower_model(architecture)
+    if checkpointing:
+        reference.gradient_checkpointing_enable()
+    patched = copy.deepcopy(reference)
+    report = patch_model(patched, _vision_only(True))
+    assert report.patched["vision_attention"] == 4
+    assert "vision tower (model.visual, 4 blocks): vision_attention 4" in str(report)
+
+    built = []
+    monkeypatch.setattr(attention_patch, "segment_mask", lambda *a: built.append(a) or segment_mask(*a))
+    grid = torch.tensor(GRIDS)
+    config = reference.config.vision_config
+    width = config.in_channels * config.temporal_patch_size * config.patch_size**2
+    pixels = torch.randn(int(grid.prod(-1).sum()), width, generator=torch.Generator().manual_seed(0))
+    for model in (reference, patched):
+        model.train()
+    expected = _tower_forward_backward(reference, pixels, grid)
+    got = _tower_forward_backward(patched, pixels, grid)
+    assert len(built) == (2 if architecture == "tiny-qwen2.5-vl" else 1)
+    for name, a, b in zip(("hidden", "features", "pixels.grad"), got[:3], expected[:3], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+    assert got[3].keys() == expected[3].keys()
+    for name, grad in expected[3].items():
+        torch.testing.assert_close(got[3][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_segment_block_mask_is_block_diagonal_with_padding_alone():
+    """The mask, densified, is exactly "same segment" over the real patches; the padding is a
+    segment of its own; a tile inside one segment is full, a tile at an edge partial."""
+    cu = torch.tensor([0, 64, 100, 128, 300], dtype=torch.int32)  # ragged, across a tile edge
+    mask = segment_block_mask(cu, 384)
+    dense = mask.to_dense()[0, 0]  # [3, 3] tiles that are computed at all
+    ids = torch.searchsorted(cu[1:], torch.arange(384, dtype=torch.int32), right=True)
+    same = ids[:, None] == ids[None, :]
+    tile_any = same.view(3, 128, 3, 128).any(-1).any(1)
+    assert torch.equal(dense.bool(), tile_any)
+    assert ids[299] == 3 and ids[300] == 4 and not same[:300, 300:].any()
+    q, kv = torch.meshgrid(torch.arange(384), torch.arange(384), indexing="ij")
+    assert torch.equal(mask.mask_mod(0, 0, q, kv), same)
+    assert mask.full_kv_num_blocks[0, 0].tolist() == [0, 1, 0]  # tile 1 (128–255) lies inside 128–300
+    with pytest.raises(ValueError, match="multiple of 128"):
+        segment_block_mask(cu, 300)
+
+
+def _per_segment_sdpa(q, k, v, cu):
+    """HF's path: one SDPA call per segment."""
+    bounds = cu.tolist()
+    return torch.cat(
+        [
+            torch.nn.functional.scaled_dot_product_attention(q[:, a:b], k[:, a:b], v[:, a:b])
+            for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+        ],
+        dim=1,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_path_pads_to_whole_tiles_and_matches_per_segment_attention(dtype, monkeypatch):
+    """The CUDA branch of `segment_attention` (block mask, zero padding to 384, cut back) on the
+    CPU, with FlexAttention unfused (forward only: flex has no CPU backward; the GPU test checks
+    the gradients): equal to one SDPA call per ragged segment."""
+    monkeypatch.setattr(
+        attention_module,
+        "compile_friendly_flex_attention",
+        lambda q, k, v, training, **kwargs: flex_attention(q, k, v, **kwargs),
+    )
+    cu = torch.tensor([0, 16, 80, 141, 200, 300], dtype=torch.int32)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 300, 32, generator=generator).to(dtype) for _ in range(3))
+    mask = segment_block_mask(cu, 384)
+    with torch.no_grad():
+        got = segment_attention(q, k, v, mask, 32**-0.5, training=False)
+        dense = segment_attention(q, k, v, segment_mask(cu, 300), 32**-0.5, training=False)
+    expected = _per_segment_sdpa(q.double(), k.double(), v.double(), cu)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    assert got.shape == (3, 300, 32) and got.dtype == dtype
+    torch.testing.assert_close(got.double(), expected, **tol)
+    torch.testing.assert_close(dense.double(), expected, **tol)
+
+
+def test_vision_attention_off_keeps_hfs_forward_and_the_recipe_can_turn_it_off():
+    model = _tower_model("tiny-qwen2.5-vl", depth=2)
+    report = patch_model(model, _vision_only(False))
+    assert report.patched["vision_attention"] == 0
+    assert report.skipped["vision_attention"] == "off in the recipe"
+    assert all("forward" not in block.attn.__dict__ for block in model.model.visual.blocks)
+
+    recipe = _recipe("kernels.vision_attention=false")
+    assert "vision_attention" not in recipe.kernels.enabled()
+    assert "vision_attention" in _recipe().kernels.enabled()
+
+
+def test_vision_attention_leaves_flash_attention_and_siglip_alone():
+    model = _tower_model("tiny-qwen2.5-vl", depth=2)
+    model.config.vision_config._attn_implementation = "flash_attention_2"
+    report = patch_model(model, _vision_only(True))
+    assert report.patched["vision_attention"] == 0
+    assert "one variable-length call per layer" in report.skipped["vision_attention"]
+    gemma = build_model(
+        _recipe("model.config=tiny-gemma3-vl", path=QUICKSTART_VL_GEMMA3), torch.device("cpu")
+    )
+    report = patch_model(gemma, _vision_only(True))
+    assert report.patched["vision_attention"] == 0
+    assert "Qwen2.5-VL and Qwen3-VL only" in report.skipped["vision_attention"]
 
 
 # -- data ----------------------------------------------------------------------------------------

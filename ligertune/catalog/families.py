@@ -96,7 +96,9 @@ class VisionTower:
     ``token_type_key`` is the model's input marking image tokens with 1 (Qwen computes its 3-D
     positions from it, Gemma 3 its bidirectional attention over an image's tokens).
     ``rope_note`` is what the patch report says of the family's rotary embeddings (the language
-    model's multimodal one, the tower's own)."""
+    model's multimodal one, the tower's own). ``attention`` is the tower's attention class when
+    it attends within ``cu_seqlens`` segments (images, windows) one call per segment, which the
+    ``vision_attention`` kernel turns into one call per layer (None: SigLIP's whole-image call)."""
 
     tower: str
     projectors: tuple[str, ...]
@@ -111,6 +113,7 @@ class VisionTower:
     image_sequence: str = "{tokens}"
     tokens_per_image_attr: str | None = None  # None: one token per merged patch (image_grid_thw)
     token_type_key: str = "mm_token_type_ids"
+    attention: str | None = None
 
 
 @dataclass(frozen=True)
@@ -292,6 +295,7 @@ FAMILIES: dict[str, Family] = {
                 language_model="model.language_model",
                 block="Qwen2_5_VLVisionBlock",
                 mlp="Qwen2_5_VLMLP",
+                attention="Qwen2_5_VLVisionAttention",
                 image_processor="transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
                 image_token="<|image_pad|>",
                 vision_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),
@@ -316,6 +320,7 @@ FAMILIES: dict[str, Family] = {
                 language_model="model.language_model",
                 block="Qwen3VLVisionBlock",
                 mlp=None,
+                attention="Qwen3VLVisionAttention",
                 image_processor="transformers.models.qwen2_vl.image_processing_pil_qwen2_vl.Qwen2VLImageProcessorPil",
                 image_token="<|image_pad|>",
                 vision_tokens=("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"),

@@ -42,6 +42,13 @@ KERNELS: tuple[KernelEntry, ...] = (
         "compute them (docs/moe.md).",
         True,
     ),
+    KernelEntry(
+        "vision_attention",
+        "Qwen2.5-VL / Qwen3-VL vision tower: each layer's attention over all images and windows in one "
+        "FlexAttention call with a block-diagonal mask, instead of one call per image or window "
+        "(docs/vision.md).",
+        True,
+    ),
     KernelEntry("cross_entropy", "Triton cross entropy over materialised logits.", False, replaces="loss"),
     KernelEntry(
         "fused_linear_cross_entropy",

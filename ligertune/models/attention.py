@@ -48,6 +48,12 @@ window, we only add the document boundary.
 Not covered (the hook is not installed, and transformers' own detection runs, with its
 synchronisation): flash-attention (it needs no mask), a model with bidirectional attention,
 and layer types other than full and sliding-window attention.
+
+**Segments without causality** (`segment_mask`, `segment_attention`): a vision tower's
+patches are segments given by ``cu_seqlens`` (images, or Qwen2.5-VL's windows), each attending
+to all of itself and nothing else. One FlexAttention call over all of them, with the same
+`same_document` predicate on segment ids, replaces one attention call per segment
+(docs/vision.md: ``ligertune.patching.vision``).
 """
 
 from __future__ import annotations
@@ -56,11 +62,18 @@ import importlib.util
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
 from transformers import masking_utils
+from transformers.integrations.flex_attention import compile_friendly_flex_attention
 
 # Backends a recipe may name; ``auto`` picks one with `choose_attention`.
 ATTENTION_BACKENDS = ("sdpa", "eager", "flex_attention", "flash_attention_2")
+
+# FlexAttention's sparse block: the BlockMask says, per 128 × 128 tile, skip / compute / compute
+# with the mask predicate.
+FLEX_BLOCK = 128
 
 # The layer types whose masks transformers builds with the two builders we call.
 _MASK_BUILDERS = {
@@ -212,3 +225,91 @@ def install_document_mask(model: nn.Module) -> str:
     base.register_forward_pre_hook(hook, with_kwargs=True)
     implementation = model.config._attn_implementation
     return f"packed rows: {implementation} with a document mask built once per forward (no host sync)"
+
+
+def segment_ids(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """[length] segment of each position: the number of segment ends at or before it
+    (``searchsorted(cu_seqlens[1:], t, right=True)``), so positions from ``cu_seqlens[-1]`` on
+    (padding) get the next id, a segment of their own. Device work, no host synchronisation."""
+    positions = torch.arange(length, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens[1:].contiguous(), positions, right=True)
+
+
+def segment_block_mask(cu_seqlens: torch.Tensor, padded: int) -> BlockMask:
+    """FlexAttention's non-causal block-diagonal mask of the segments
+    ``[cu_seqlens[i], cu_seqlens[i+1])`` over ``padded`` positions (a multiple of `FLEX_BLOCK`):
+    query ``q`` may attend key ``k`` iff ``id[q] == id[k]`` (`segment_ids`, `same_document`). The
+    padding after ``cu_seqlens[-1]`` is a segment of its own that no real position sees.
+
+    The mask is built from its tiles rather than by ``create_block_mask``, which evaluates the
+    predicate at every (q, k) pair: 32k vision patches (a Qwen2.5-VL-7B batch of eight 896×896
+    images) are 10⁹ pairs, gigabytes of temporaries per call. Ids never decrease, so a tile's
+    rows hold the ids ``[first, last]`` of its first and last position; two tiles share a segment
+    iff their id ranges overlap (the tile is computed, with the predicate), and every pair in the
+    tile matches iff both ranges are one and the same id (a full tile: no predicate). That is
+    (padded / 128)² comparisons, on the device, without a host synchronisation."""
+    if padded % FLEX_BLOCK:
+        raise ValueError(f"segment_block_mask: padded length {padded} is not a multiple of {FLEX_BLOCK}")
+    ids = segment_ids(cu_seqlens, padded)
+    tiles = ids.view(-1, FLEX_BLOCK)
+    first, last = tiles[:, 0], tiles[:, -1]
+    touching = (first[:, None] <= last[None, :]) & (first[None, :] <= last[:, None])
+    single = first == last
+    full = single[:, None] & single[None, :] & (first[:, None] == first[None, :])
+    partial = touching & ~full
+
+    def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Per query tile: how many key tiles, and their indices first (BlockMask's layout).
+        count = dense.sum(-1, dtype=torch.int32)
+        indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return count[None, None], indices[None, None]
+
+    kv_num_blocks, kv_indices = ordered(partial)
+    full_kv_num_blocks, full_kv_indices = ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_num_blocks,
+        kv_indices,
+        full_kv_num_blocks,
+        full_kv_indices,
+        BLOCK_SIZE=FLEX_BLOCK,
+        mask_mod=same_document(ids[None]),
+        seq_lengths=(padded, padded),
+    )
+
+
+def segment_mask(cu_seqlens: torch.Tensor, length: int) -> BlockMask | torch.Tensor:
+    """The mask `segment_attention` takes for ``length`` positions in the segments of
+    ``cu_seqlens``: on CUDA a `segment_block_mask` over ``length`` rounded up to `FLEX_BLOCK`;
+    elsewhere the dense ``[length, length]`` boolean "same segment" (see `segment_attention`)."""
+    if cu_seqlens.device.type == "cuda":
+        return segment_block_mask(cu_seqlens, -(-length // FLEX_BLOCK) * FLEX_BLOCK)
+    ids = segment_ids(cu_seqlens, length)
+    return ids[:, None] == ids[None, :]
+
+
+def segment_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: BlockMask | torch.Tensor,
+    scale: float,
+    training: bool,
+) -> torch.Tensor:
+    """Non-causal attention of ``[heads, length, head_dim]`` q, k, v within segments, in one call.
+
+    With a `BlockMask` (CUDA): q, k and v are padded with zero rows to the mask's length (a
+    multiple of 128, the padding its own segment), run through transformers' compiled
+    FlexAttention (the one the language model's ``flex_attention`` backend uses: compiled once
+    per process, fused, skipping the tiles without a common segment) and cut back. With a dense
+    boolean mask (the CPU, where FlexAttention has no backward and runs unfused anyway): SDPA
+    under that mask, the same math materialising ``[heads, length, length]`` scores, which only
+    tests and tiny models meet."""
+    length = query.shape[1]
+    if isinstance(mask, BlockMask):
+        padded = mask.seq_lengths[0]
+        query, key, value = (F.pad(t, (0, 0, 0, padded - length)).unsqueeze(0) for t in (query, key, value))
+        out = compile_friendly_flex_attention(
+            query, key, value, training=training, block_mask=mask, scale=scale
+        )
+        return out[0, :, :length]
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)

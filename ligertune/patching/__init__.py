@@ -2,9 +2,9 @@
 
 The list of kernels (names, defaults, what each replaces) is the catalog's
 (`ligertune.catalog.kernels`); one file per kernel family holds the patch functions, each
-registered under its kernel's name with ``@patches`` (`norms`, `rope`, `mlp`, `moe`, `losses`);
-`common` has what they share (finding modules, binding forwards, marking what is patched) and
-`report` the `PatchReport`.
+registered under its kernel's name with ``@patches`` (`norms`, `rope`, `mlp`, `moe`, `attention`,
+`losses`); `common` has what they share (finding modules, binding forwards, marking what is
+patched) and `report` the `PatchReport`.
 """
 
 from __future__ import annotations

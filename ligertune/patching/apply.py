@@ -23,7 +23,7 @@ from torch import nn
 
 from ligertune.catalog.families import FAMILIES, VisionTower
 from ligertune.catalog.kernels import DEFAULT_KERNELS, KERNEL_NAMES, KERNELS, conflicts, kernel
-from ligertune.patching import losses, mlp, moe, norms, rope  # noqa: F401 - each registers its patches
+from ligertune.patching import attention, losses, mlp, moe, norms, rope  # noqa: F401 - each registers its patches
 from ligertune.patching.common import MARK, PATCHES, Patcher, is_marked
 from ligertune.patching.report import PatchReport
 

@@ -1,7 +1,7 @@
 """What every kernel's patch function shares: the `Patcher` it works through, and how a forward
 is bound to one module instance.
 
-A patch function (one per kernel of the catalog, in `norms`, `rope`, `mlp`, `moe`, `losses`, registered
+A patch function (one per kernel of the catalog, in `norms`, `rope`, `mlp`, `moe`, `attention`, `losses`, registered
 under the kernel's name with ``@patches``) finds its target
 modules, by the family table's class names (`ligertune.catalog.families`) or, for a family the
 table does not know, by module type and a probe; then hands (module, forward) pairs and the

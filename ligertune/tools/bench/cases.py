@@ -8,14 +8,16 @@ Providers, all called with the same positional tensors (``Inputs.tensors``, in o
 
 * ``eager``: what a Hugging Face model runs without our kernels: ``LlamaRMSNorm``,
   ``nn.LayerNorm``, HF ``apply_rotary_pos_emb``, ``ACT2FN[...](gate) * up``, ``Qwen3MoeExperts``
-  with ``experts_implementation="eager"`` (its per-expert loop), and for the losses
+  with ``experts_implementation="eager"`` (its per-expert loop), the Qwen-VL vision attention's
+  one SDPA call per window or image (split at ``cu_seqlens``), and for the losses
   HF's recipe, logits upcast to fp32 then ``F.cross_entropy`` (so "eager" for the losses is the
   fp32-upcast loss that ``ForCausalLMLoss`` computes);
 * ``compile``: ``torch.compile`` of that same eager function (default mode, static shapes);
 * ``liger``: Liger-Kernel's functional API (``liger_kernel.transformers.functional``), when it is
   importable on a CUDA device; for the MoE experts its ``LigerFusedMoEFunction``
   (``liger_kernel.ops.fused_moe``, recent releases), which takes the same gate/up-halves layout;
-* ``ligertune``: ours, ``ligertune.kernels``.
+* ``ligertune``: ours, ``ligertune.kernels`` (for ``vision_attention``: one FlexAttention call
+  under the segments' block mask, `ligertune.models.attention.segment_attention`; Liger has none).
 
 RMSNorm variants run with ``in_place=False`` for both liger and ligertune (liger's default is
 in place), so the two are compared on the same contract: dy is left intact.
@@ -156,6 +158,15 @@ MINIMAL_BYTES: dict[str, Callable[..., tuple[int, int, int]]] = {
     # gate_up_proj [E,2I,H], down_proj [E,H,I] (3·E·H·I weights).  fwd: read them all; write
     # out [T,H].  bwd: read dout and the inputs again (what an implementation saves instead is
     # its choice); write d hidden, d weights, d gate_up_proj, d down_proj.
+    # Vision attention, q/k/v/out [H, L, D] with L = images·patches, in segments of ``window``
+    # patches (each image's last one shorter when window does not divide patches), cu_seqlens
+    # int32.  fwd: read q, k, v, cu_seqlens; write out.  bwd: read dout, q, k, v, out,
+    # cu_seqlens (a flash-style backward needs out, or its row sums with dout); write dq, dk, dv.
+    "vision_attention": lambda e, n_img, p, w, h, d: (
+        4 * e * h * n_img * p * d + 4 * (n_img * -(-p // w) + 1),
+        8 * e * h * n_img * p * d + 4 * (n_img * -(-p // w) + 1),
+        12 * e * h * n_img * p * d + 8 * (n_img * -(-p // w) + 1),
+    ),
     "moe_experts": lambda e, t, h, n_exp, k, i: (
         e * (2 * t * h + t * k + 3 * n_exp * h * i) + 8 * t * k,
         e * (3 * t * h + 2 * t * k + 6 * n_exp * h * i) + 8 * t * k,
@@ -171,7 +182,14 @@ MINIMAL_BYTES: dict[str, Callable[..., tuple[int, int, int]]] = {
 #
 # MoE experts: each of the T·k routed rows goes through gate/up (2·H·2I) and down (2·I·H), 6·T·k·H·I
 # forward; the backward has an input and a weight gradient for each, twice that.
+#
+# Vision attention: QKᵀ and PV within each segment, 4·H·D·Σ len² forward; the backward has four
+# such products (dV, dP, dQ, dK), twice that (a flash-style backward also recomputes QKᵀ: its
+# choice, not a minimum).
 MINIMAL_FLOPS: dict[str, Callable[..., tuple[int, int, int]]] = {
+    "vision_attention": lambda n_img, p, w, h, d: tuple(
+        c * h * d * n_img * ((p // w) * w * w + (p % w) ** 2) for c in (4, 8, 12)
+    ),
     "fused_linear_cross_entropy": lambda n, h, v: (2 * n * h * v, 4 * n * h * v, 6 * n * h * v),
     "moe_experts": lambda t, h, n_exp, k, i: (6 * t * k * h * i, 12 * t * k * h * i, 18 * t * k * h * i),
 }
@@ -304,6 +322,42 @@ def _moe_inputs(shape, dtype, device) -> Inputs:
 # ---------------------------------------------------------------------------------------------
 # Providers
 # ---------------------------------------------------------------------------------------------
+
+
+def _vision_attention_inputs(shape, dtype, device) -> Inputs:
+    n_img, p, w, h, d = shape
+    segments = [min(w, p - start) for _ in range(n_img) for start in range(0, p, w)]
+    cu = torch.tensor([0, *segments], device=device).cumsum(0).to(torch.int32)
+    qkv = {name: _randn(h, n_img * p, d, dtype=dtype, device=device) for name in ("q", "k", "v")}
+    return Inputs(
+        {**qkv, "cu_seqlens": cu}, (_randn(h, n_img * p, d, dtype=dtype, device=device, requires_grad=False),)
+    )
+
+
+def _eager_vision_attention(inp: Inputs):
+    """HF's Qwen-VL vision attention under SDPA: split at cu_seqlens (a host sync), one call each."""
+
+    def attend(q, k, v, cu):
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        parts = zip(*(t.split(lengths, dim=1) for t in (q, k, v)), strict=True)
+        return torch.cat([F.scaled_dot_product_attention(*part) for part in parts], dim=1)
+
+    return attend
+
+
+def _ours_vision_attention(inp: Inputs):
+    """One call under the segments' mask, built outside the timed call: the patched tower builds
+    it once per forward for all its layers."""
+    from ligertune.models.attention import segment_attention, segment_mask
+
+    q, cu = inp.tensors["q"], inp.tensors["cu_seqlens"]
+    mask = segment_mask(cu, q.shape[1])
+    scale = q.shape[-1] ** -0.5
+    return lambda q, k, v, cu: segment_attention(q, k, v, mask, scale, training=True)
+
+
+def _liger_vision_attention(inp: Inputs):
+    raise ProviderUnavailable("liger-kernel has no vision attention")
 
 
 def _liger(name: str) -> Callable:
@@ -503,6 +557,13 @@ SPECS: dict[str, KernelSpec] = {
             ((8192, 2048, 128, 8, 768), (8192, 4096, 8, 2, 14336)),  # Qwen3-30B-A3B, Mixtral-8x7B
             ((8192, 2048, 128, 8, 768),), ((8, 32, 3, 2, 16),),
             _moe_inputs, _eager_moe, _liger_moe, _same_args(lambda: _ours("moe", "moe_experts")),
+        ),
+        KernelSpec(
+            "vision_attention", ("images", "patches", "window", "heads", "head_dim"),
+            # Qwen2.5-VL-7B, eight 896×896 images: windowed layers (64 patches), full layers.
+            ((8, 4096, 64, 16, 80), (8, 4096, 4096, 16, 80)),
+            ((8, 4096, 64, 16, 80),), ((3, 40, 16, 2, 8),),
+            _vision_attention_inputs, _eager_vision_attention, _liger_vision_attention, _ours_vision_attention,
         ),
     )
 }  # fmt: skip
