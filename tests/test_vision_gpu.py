@@ -140,13 +140,12 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("model_type", sorted(TOWERS_7B))
-def test_vision_attention_at_7b_size_bf16_is_as_close_to_fp32_as_hfs_and_faster(model_type):
+def test_vision_attention_at_7b_size_bf16_is_as_close_to_fp32_as_hfs(model_type):
     """Three 896×896 images and one 644×476 (Qwen2.5-VL: ragged windows at its edges; 13,000+
     patches, not a multiple of 128). The fp32 reference is HF's own path; in bf16, ours (one
     compiled flex call per layer) must be about as close to it as HF's bf16 path (one SDPA call
-    per window or image) is, for the features and every tower weight's gradient; with Qwen2.5-VL's
-    windows it must take less time per forward + backward (Qwen3-VL's time is printed: HF makes
-    only one call per image there)."""
+    per window or image) is, for the features and every tower weight's gradient. The time per
+    forward + backward of each is printed (speed is the benchmarks' business, not a test's)."""
     vision = TOWERS_7B[model_type]
     config = dict(model_type=model_type, **CONFIGS[model_type], **TOKENS, tie_word_embeddings=False)
     config["vision_config"] = vision
@@ -192,5 +191,3 @@ def test_vision_attention_at_7b_size_bf16_is_as_close_to_fp32_as_hfs_and_faster(
           f"{our_errors['features']:.2e} HF {hf_errors['features']:.2e}")  # fmt: skip
     for name, error in our_errors.items():
         assert error <= 1.5 * hf_errors[name] + 1e-3, (name, error, hf_errors[name])
-    if model_type == "qwen2_5_vl":  # ~2,000 calls per forward → 32; Qwen3-VL: 4 per layer → 1 (printed)
-        assert times["ours"] < times["hf"]
