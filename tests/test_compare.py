@@ -172,7 +172,8 @@ def test_default_kernels_and_tolerance_follow_the_recipe(tmp_path):
     # The quickstart says `kernels: all`: the 'on' arm gets that selection.
     plan = make_plan(QUICKSTART, SMALL, out=tmp_path / "a")
     assert plan.kernels == [
-        "rms_norm", "layer_norm", "rope", "swiglu", "geglu", "vision_attention", "fused_linear_cross_entropy",
+        "rms_norm", "layer_norm", "rope", "swiglu", "geglu", "moe_experts", "vision_attention",
+        "fused_linear_cross_entropy",
     ]  # fmt: skip
     # A recipe that enables some kernels is compared on those.
     recipe = tmp_path / "some-kernels.yaml"
