@@ -77,6 +77,7 @@ class GRPO(Objective):
         self.sampling = Sampling(
             options.max_new_tokens, options.temperature, options.top_p, tuple(options.stop)
         )
+        self.cache = _generation_cache(options, self.runtime) if self.runtime is not None else "dynamic"
 
     @classmethod
     def build(cls, options: GRPOOptions, building: Building) -> GRPO:
@@ -175,6 +176,7 @@ class GRPO(Objective):
                 done = generate(
                     policy, ids, mask, self.sampling, noise,
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
+                    cache=self.cache,
                 )  # fmt: skip
         finally:
             policy.train(was_training)
@@ -195,6 +197,17 @@ class GRPO(Objective):
         length = row["completion_mask"].shape[1]
         ids = torch.where(row["completion_mask"], row["input_ids"][:, -length:], self.tokenizer.pad_token_id)
         return self.tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)
+
+
+def _generation_cache(options: GRPOOptions, runtime: Placement) -> str:
+    """``objective.generation_cache`` resolved: auto is static (each decode step a CUDA graph) on a
+    GPU under a strategy that allows the graphs, dynamic on the CPU (no launches to save, and a
+    static cache reads every empty column) and under FSDP2 (its hooks inside a capture are
+    untried)."""
+    if options.generation_cache != "auto":
+        return options.generation_cache
+    graphs = runtime.options_model.supports("graphed generation")
+    return "static" if runtime.device.type == "cuda" and graphs else "dynamic"
 
 
 def _batch_std(runtime: Placement, total: torch.Tensor) -> float:
