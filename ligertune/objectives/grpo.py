@@ -9,7 +9,9 @@ before the step):
    (`ligertune.objectives.rollout.generate`), the whole window as one batch, with the strategy's
    weights gathered once (`Runtime.gathered`: one all-gather under FSDP2, not one per token), in eval
    mode, sampling from a generator seeded by (seed, generation, the micro-batch's place in the data
-   order): the same completions on a resume and whatever the number of processes;
+   order): the same completions on a resume and whatever the number of processes; on a GPU the
+   decode is a static KV cache with each token's step a CUDA graph (``generation_cache``,
+   `_generation_cache`);
 2. with several updates per generation batch (``num_iterations`` μ > 1) the policy's log-probs of
    the completions now (the "old" policy of the ratio) and, with β > 0, the reference's (the
    frozen copy, or the adapters-off policy with LoRA), under ``no_grad``;

@@ -227,7 +227,7 @@ class StaticDecoder:
       fixed buffers: the draws are made outside, by `RowNoise`, as in the dynamic decode, so
       the completions are the same.
 
-    On CUDA the first decode step runs eagerly on a side stream (the warm-up capture needs: lazy
+    On CUDA the first decode step runs eagerly on a side stream (the warm-up a capture needs: lazy
     cuBLAS and Triton initialisation), the second is captured into a `torch.cuda.CUDAGraph`, and
     every later one replays it. The graph is captured again for every call (every generation
     batch): its cache, mask and prompt length are that batch's, and keeping them between batches
@@ -238,7 +238,10 @@ class StaticDecoder:
     On the CPU the same fixed-shape step runs eagerly (what the tests compare with the dynamic
     decode). The forward must not synchronise with the host (no ``.item()``, no data-dependent
     branch): our kernels are custom ops that launch without one, and so are transformers'
-    static-cache paths (mask creation skips its ``is_causal`` probe for a compileable cache)."""
+    static-cache paths (mask creation skips its ``is_causal`` probe for a compileable cache).
+    Under ``bf16-mixed`` the graph reads the weights' bf16 copies that autocast cached in the
+    warm-up step: they live until the autocast region ends, and the whole generation runs inside
+    one (`ligertune.training.windows`), so they outlive every replay."""
 
     def __init__(
         self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling
