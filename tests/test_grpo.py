@@ -81,6 +81,10 @@ def _setup(recipe):
         (["data.validation_fraction=0.1"], "data.validation_fraction: grpo has no validation loss"),
         (["training.compile=true"], "training.compile: grpo generates"),
         (
+            ["objective.generation_cache=static", "parallel.strategy=fsdp"],
+            "objective.generation_cache: static is not supported with parallel.strategy fsdp",
+        ),
+        (
             ["parallel.strategy=deepspeed"],
             "objective.name grpo: not supported with parallel.strategy deepspeed",
         ),
@@ -411,6 +415,71 @@ def test_a_window_generated_as_one_batch_equals_its_micro_batches_alone():
         assert torch.equal(part_ids, alone_ids) and torch.equal(part_mask, alone_mask)
         assert torch.equal(done.mask, alone.mask) and torch.equal(done.stopped, alone.stopped)
         assert torch.equal(torch.where(done.mask, done.ids, -1), torch.where(alone.mask, alone.ids, -1))
+
+
+@pytest.mark.parametrize("ending", ["eos", "stop", "top_p"])
+def test_the_static_cache_generates_what_the_dynamic_one_does(ending):
+    """The static decode (preallocated cache, mask and positions updated in place; eager on the
+    CPU) against the dynamic one, fp32, prompts of four lengths left-padded, two micro-batches'
+    generators: the same tokens, masks and stops. With a 5-token vocabulary an EOS ends every row
+    early, at a step the every-16-tokens check of `done` does not fall on, and the completions
+    come back as long as the longest, as a check at every token gives; with the bundled tokenizer
+    a stop string ends some rows (the host looks every token); top-p with neither runs to
+    max_new_tokens."""
+    from ligertune.data import load_tokenizer
+
+    tokenizer = load_tokenizer(_recipe())
+    torch.manual_seed(1234)
+    vocab = 5 if ending == "eos" else len(tokenizer)
+    model = tiny_llama(vocab_size=vocab, hidden_size=32, intermediate_size=64).eval()
+    ids, mask = _left_padded(vocab, [4, 9, 1, 6])
+    ids = ids.remainder(vocab)
+    sampling = Sampling(
+        40,
+        temperature=1.2,
+        top_p=0.8 if ending == "top_p" else 1.0,
+        stop=("th", "7") if ending == "stop" else (),
+    )
+    eos = 4 if ending == "eos" else None
+
+    def run(cache):
+        return generate(
+            model, ids, mask, sampling, RowNoise([11, 12], [2, 2], "cpu"),
+            eos_token_id=eos, pad_token_id=0, tokenizer=tokenizer, cache=cache,
+        )  # fmt: skip
+
+    dynamic, static = run("dynamic"), run("static")
+    assert torch.equal(static.ids, dynamic.ids) and torch.equal(static.mask, dynamic.mask)
+    assert torch.equal(static.stopped, dynamic.stopped)
+    lengths = static.mask.sum(1)
+    assert static.ids.shape[1] == int(lengths.max())  # trimmed to the longest completion
+    if ending == "eos":
+        assert static.stopped.all() and int(lengths.max()) < 40 and int(lengths.max()) % 16 != 0
+    elif ending == "stop":
+        assert static.stopped.any() and not static.stopped.all()
+    else:
+        assert not static.stopped.any() and static.ids.shape[1] == 40
+
+
+def test_generation_cache_auto_is_static_on_a_gpu_where_the_strategy_allows_graphs():
+    from types import SimpleNamespace
+
+    from ligertune.catalog.strategies import STRATEGIES
+    from ligertune.objectives.grpo import _generation_cache
+
+    options = _recipe().objective
+    for strategy, device, cache in [
+        ("none", "cuda", "static"),
+        ("ddp", "cuda", "static"),
+        ("fsdp", "cuda", "dynamic"),
+        ("none", "cpu", "dynamic"),
+    ]:
+        runtime = SimpleNamespace(options_model=STRATEGIES.named(strategy), device=torch.device(device))
+        assert _generation_cache(options, runtime) == cache, (strategy, device)
+    forced = options.model_copy(update={"generation_cache": "static"})
+    assert (
+        _generation_cache(forced, SimpleNamespace(options_model=None, device=torch.device("cpu"))) == "static"
+    )
 
 
 def test_completion_rows_layout():

@@ -9,7 +9,9 @@ before the step):
    (`ligertune.objectives.rollout.generate`), the whole window as one batch, with the strategy's
    weights gathered once (`Runtime.gathered`: one all-gather under FSDP2, not one per token), in eval
    mode, sampling from a generator seeded by (seed, generation, the micro-batch's place in the data
-   order): the same completions on a resume and whatever the number of processes;
+   order): the same completions on a resume and whatever the number of processes; on a GPU the
+   decode is a static KV cache with each token's step a CUDA graph (``generation_cache``,
+   `_generation_cache`);
 2. with several updates per generation batch (``num_iterations`` μ > 1) the policy's log-probs of
    the completions now (the "old" policy of the ratio) and, with β > 0, the reference's (the
    frozen copy, or the adapters-off policy with LoRA), under ``no_grad``;
@@ -77,6 +79,7 @@ class GRPO(Objective):
         self.sampling = Sampling(
             options.max_new_tokens, options.temperature, options.top_p, tuple(options.stop)
         )
+        self.cache = _generation_cache(options, self.runtime) if self.runtime is not None else "dynamic"
 
     @classmethod
     def build(cls, options: GRPOOptions, building: Building) -> GRPO:
@@ -175,6 +178,7 @@ class GRPO(Objective):
                 done = generate(
                     policy, ids, mask, self.sampling, noise,
                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer,
+                    cache=self.cache,
                 )  # fmt: skip
         finally:
             policy.train(was_training)
@@ -195,6 +199,17 @@ class GRPO(Objective):
         length = row["completion_mask"].shape[1]
         ids = torch.where(row["completion_mask"], row["input_ids"][:, -length:], self.tokenizer.pad_token_id)
         return self.tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)
+
+
+def _generation_cache(options: GRPOOptions, runtime: Placement) -> str:
+    """``objective.generation_cache`` resolved: auto is static (each decode step a CUDA graph) on a
+    GPU under a strategy that allows the graphs, dynamic on the CPU (no launches to save, and a
+    static cache reads every empty column) and under FSDP2 (its hooks inside a capture are
+    untried)."""
+    if options.generation_cache != "auto":
+        return options.generation_cache
+    graphs = runtime.options_model.supports("graphed generation")
+    return "static" if runtime.device.type == "cuda" and graphs else "dynamic"
 
 
 def _batch_std(runtime: Placement, total: torch.Tensor) -> float:

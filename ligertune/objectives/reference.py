@@ -27,6 +27,7 @@ from ligertune.patching import patch_model
 
 if TYPE_CHECKING:
     from ligertune.catalog.section import ModelSection
+    from ligertune.catalog.strategies import ParallelOptions
     from ligertune.config import Recipe
     from ligertune.objectives.base import Batch, Building
 
@@ -40,6 +41,7 @@ class Placement(Protocol):
     rank: int
     world_size: int
     device: torch.device
+    options_model: type[ParallelOptions]  # what the strategy supports (`ParallelOptions.supports`)
 
     def build_model(self, recipe: Recipe) -> nn.Module: ...
 

@@ -3,8 +3,9 @@ rows the policy loss trains on.
 
 `generate` is a plain batched sampler over the model's own forward (so every patched kernel, a
 LoRA adapter and the strategy's gathered weights are what samples): one prefill over the
-left-padded prompts, then one forward of the newest token per step, reading and extending the
-transformers KV cache; the logits of the last position only (``logits_to_keep=1``). Per token:
+left-padded prompts, then one forward of the newest token per step, reading and extending a
+transformers KV cache: dynamic (`DynamicDecoder`), or static with each token's step a CUDA graph
+on a GPU (`StaticDecoder`); the logits of the last position only (``logits_to_keep=1``). Per token:
 temperature, then nucleus (top-p: the smallest set of tokens holding ``top_p`` of the mass,
 renormalised), then one draw by the inverse of the cumulative distribution at a uniform number.
 
@@ -22,8 +23,9 @@ A completion ends with the tokenizer's EOS or with the token that completes one 
 strings (both kept in the completion, and trained on: stopping is an action); later tokens are
 padding outside its mask. Stop strings are looked for in the decoded text of a row's last tokens
 (as many as the longest stop string has characters: a token is at least one), so a stop string
-that a token boundary splits is found too. Each step asks once whether every row is done (one
-host synchronisation per token, as ``generate`` has).
+that a token boundary splits is found too. Whether every row is done is asked every
+`DONE_CHECK_EVERY` tokens (one host synchronisation each; every token with stop strings, whose
+check is on the host anyway), and the completions are cut to the longest afterwards.
 
 The rows (`completion_rows`): each prompt repeated G times (its group, consecutive rows),
 followed by its completion, ``[prompt (left-padded to P) | completion (right-padded to T)]``, with
@@ -42,6 +44,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import nn
+from transformers import StaticCache
 
 from ligertune.data.formats import IGNORE_INDEX
 
@@ -111,6 +114,13 @@ def _stop_hits(tokenizer, ids: torch.Tensor, rows: list[int], stop: tuple[str, .
     ]
 
 
+# How often the loop asks the device whether every row is done (one host synchronisation): every
+# token when stop strings are looked for (their check is on the host anyway), else every this many.
+# A row that is done only adds padding outside its mask, so asking later changes no output: the
+# completions are trimmed to their longest afterwards.
+DONE_CHECK_EVERY = 16
+
+
 @torch.no_grad()
 def generate(
     model: nn.Module,
@@ -122,25 +132,23 @@ def generate(
     eos_token_id: int | None,
     pad_token_id: int,
     tokenizer=None,
+    cache: str = "dynamic",
 ) -> Completions:
     """Sample completions of the left-padded prompts [R, P] (module docstring); `noise()` gives each
-    token's uniform draws [R] (`RowNoise`), `tokenizer` decodes for the stop strings."""
+    token's uniform draws [R] (`RowNoise`), `tokenizer` decodes for the stop strings. `cache`:
+    ``dynamic`` (`DynamicDecoder`) or ``static`` (`StaticDecoder`, under CUDA graphs on a GPU):
+    the same completions either way, up to the last bits of the logits."""
+    decoder_class = StaticDecoder if cache == "static" else DynamicDecoder
+    decoder = decoder_class(model, input_ids, attention_mask, sampling)
     rows = input_ids.shape[0]
-    device = input_ids.device
-    positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
-    stopped = torch.zeros(rows, dtype=torch.bool, device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=input_ids.device)
+    stopped = torch.zeros_like(done)
+    every = 1 if sampling.stop else DONE_CHECK_EVERY
     tokens, masks = [], []
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    last = positions[:, -1:]
-    for _ in range(sampling.max_new_tokens):
-        token = sample_next(out.logits[:, -1], sampling, noise())
+    token = decoder.first(noise())
+    for step in range(sampling.max_new_tokens):
+        if step:
+            token = decoder.next(token, noise())
         token = torch.where(done, pad_token_id, token)
         masks.append(~done)
         tokens.append(token)
@@ -151,19 +159,155 @@ def generate(
             ended[hits] = True
         stopped |= ended
         done |= ended
-        if bool(done.all()):
+        if (step + 1) % every == 0 and bool(done.all()):
             break
-        attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-        last = last + 1
-        out = model(
-            input_ids=token[:, None],
-            attention_mask=attention_mask,
-            position_ids=last,
-            past_key_values=out.past_key_values,
+    mask = torch.stack(masks, 1)
+    # The columns after every row ended (asked every few tokens only) hold padding alone: cut them.
+    length = int(mask.any(0).sum())  # every mask is a prefix, the first token always in
+    return Completions(torch.stack(tokens, 1)[:, :length], mask[:, :length], stopped)
+
+
+class DynamicDecoder:
+    """The decode with transformers' dynamic KV cache: the cache, the attention mask and the
+    positions grow by one column per token (a ``torch.cat`` each). Shapes change every token, so
+    nothing can be captured: each token costs the forward's kernel launches from Python (on a GPU
+    the decode is bound by them, not by the weights' reads). It works with anything that runs the
+    model's forward, FSDP2's gathered weights included, and is what the CPU runs by default."""
+
+    def __init__(
+        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling
+    ):
+        self.model, self.sampling, self.input_ids = model, sampling, input_ids
+        self.mask = attention_mask
+        self.positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        self.past = None
+
+    def first(self, uniform: torch.Tensor) -> torch.Tensor:
+        """The prefill over the prompts, and the first token."""
+        out = self.model(
+            input_ids=self.input_ids,
+            attention_mask=self.mask,
+            position_ids=self.positions,
             use_cache=True,
             logits_to_keep=1,
         )
-    return Completions(torch.stack(tokens, 1), torch.stack(masks, 1), stopped)
+        self.past, self.positions = out.past_key_values, self.positions[:, -1:]
+        return sample_next(out.logits[:, -1], self.sampling, uniform)
+
+    def next(self, token: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """The forward of the newest token [R] and the token after it."""
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        self.positions = self.positions + 1
+        out = self.model(
+            input_ids=token[:, None],
+            attention_mask=self.mask,
+            position_ids=self.positions,
+            past_key_values=self.past,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.past = out.past_key_values
+        return sample_next(out.logits[:, -1], self.sampling, uniform)
+
+
+class StaticDecoder:
+    """The decode with every shape fixed, so that on a GPU one token's step is a CUDA graph: a
+    launch of the whole forward and sampler instead of a few hundred kernels from Python (the
+    dynamic decode of a 1.5B model at 64 rows spent ~36 ms a token on launches, its weights'
+    reads ~1.5 ms).
+
+    - The KV cache is transformers' `StaticCache`, allocated for the whole batch at prompt length
+      + max_new_tokens; each forward writes its keys at the cache's own position counter (a
+      device tensor), so the step reads no Python state that changes between tokens.
+    - The attention mask is a preallocated [R, P + T] tensor: the prompts' columns, then zeros;
+      each step sets its column to one in place (the column index and the positions are device
+      tensors counted up inside the step). Every query attends over all P + T keys, the empty
+      ones masked: more reads than the dynamic cache early on, the same at the end.
+    - The step (forward of one token + `sample_next`) reads its token and its uniform draws from
+      fixed buffers: the draws are made outside, by `RowNoise`, as in the dynamic decode, so
+      the completions are the same.
+
+    On CUDA the first decode step runs eagerly on a side stream (the warm-up a capture needs: lazy
+    cuBLAS and Triton initialisation), the second is captured into a `torch.cuda.CUDAGraph`, and
+    every later one replays it. The graph is captured again for every call (every generation
+    batch): its cache, mask and prompt length are that batch's, and keeping them between batches
+    would hold the KV cache through the training step. A capture costs about one eager forward;
+    a batch of 256 tokens replays it 254 times. Why not ``torch.compile(mode="reduce-overhead")``:
+    the prompt length changes with every window, and each new shape would recompile (or fall back
+    once the recompile limit is reached); the capture has no such limit and nothing to trace.
+    On the CPU the same fixed-shape step runs eagerly (what the tests compare with the dynamic
+    decode). The forward must not synchronise with the host (no ``.item()``, no data-dependent
+    branch): our kernels are custom ops that launch without one, and so are transformers'
+    static-cache paths (mask creation skips its ``is_causal`` probe for a compileable cache).
+    Under ``bf16-mixed`` the graph reads the weights' bf16 copies that autocast cached in the
+    warm-up step: they live until the autocast region ends, and the whole generation runs inside
+    one (`ligertune.training.windows`), so they outlive every replay."""
+
+    def __init__(
+        self, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, sampling: Sampling
+    ):
+        rows, prompt = input_ids.shape
+        length = prompt + sampling.max_new_tokens
+        self.model, self.sampling, self.input_ids = model, sampling, input_ids
+        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        self.mask = attention_mask.new_zeros(rows, length)
+        self.mask[:, :prompt] = attention_mask
+        positions = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+        self.prefill_positions = positions
+        self.position = positions[:, -1:].clone()  # the newest token's, counted up by the step
+        self.column = torch.full((1,), prompt - 1, dtype=torch.int64, device=input_ids.device)
+        self.token = torch.zeros(rows, dtype=torch.int64, device=input_ids.device)
+        self.uniform = torch.zeros(rows, dtype=torch.float32, device=input_ids.device)
+        self.graphs = input_ids.device.type == "cuda"
+        self.graph, self.out, self.warm = None, None, False
+
+    def first(self, uniform: torch.Tensor) -> torch.Tensor:
+        """The prefill (eager: its shape is the prompts'), filling the cache's first P columns."""
+        out = self.model(
+            input_ids=self.input_ids,
+            attention_mask=self.mask,
+            position_ids=self.prefill_positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return sample_next(out.logits[:, -1], self.sampling, uniform)
+
+    def next(self, token: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+        """The step of the newest token [R]: eagerly, or as a replay of the captured graph."""
+        self.token.copy_(token)
+        self.uniform.copy_(uniform)
+        if not self.graphs:
+            return self._step()
+        if not self.warm:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                out = self._step()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.warm = True
+            return out
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self._step()
+        self.graph.replay()
+        return self.out.clone()  # the graph's output buffer is overwritten by the next replay
+
+    def _step(self) -> torch.Tensor:
+        """One token's forward and draw, every shape fixed and every changing value on the device."""
+        self.column.add_(1)
+        self.position.add_(1)
+        self.mask.index_fill_(1, self.column, 1)
+        out = self.model(
+            input_ids=self.token[:, None],
+            attention_mask=self.mask,
+            position_ids=self.position,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return sample_next(out.logits[:, -1], self.sampling, self.uniform)
 
 
 def split_rows(ids: torch.Tensor, mask: torch.Tensor, done: Completions, rows: list[int]) -> list[tuple]:

@@ -104,7 +104,7 @@ def reward_problems(recipe: Recipe) -> list[str]:
 
 
 def grpo_fits(recipe: Recipe) -> list[str]:
-    """A prompt leaves room for max_new_tokens in data.max_seq_len; the reference model goes with beta > 0 and no lora; no validation split (evaluation by reward is not implemented); no training.compile (it would recompile for every generated token's shapes)."""
+    """A prompt leaves room for max_new_tokens in data.max_seq_len; the reference model goes with beta > 0 and no lora; no validation split (evaluation by reward is not implemented); generation_cache static only where the strategy allows CUDA graphs over its gathered weights; no training.compile (it would recompile for every generated token's shapes)."""
     objective, data = recipe.objective, recipe.data
     problems = []
     if objective.max_new_tokens >= data.max_seq_len:
@@ -127,6 +127,11 @@ def grpo_fits(recipe: Recipe) -> list[str]:
         problems.append(
             f"{key}: grpo has no validation loss (its measure is the reward on new completions, which "
             "metrics.jsonl logs every step); remove it"
+        )
+    if objective.generation_cache == "static" and not recipe.parallel.supports("graphed generation"):
+        problems.append(
+            f"objective.generation_cache: static is not supported with parallel.strategy {recipe.parallel.strategy} "
+            f"({recipe.parallel.unsupported['graphed generation']}); use auto or dynamic"
         )
     if recipe.training.compile:
         problems.append(
@@ -184,6 +189,12 @@ class GRPOOptions(ObjectiveOptions):
     stop: list[str] = Field(
         default_factory=list,
         description="Strings that end a completion (kept in it); the tokenizer's EOS always does.",
+    )
+    generation_cache: Literal["auto", "static", "dynamic"] = Field(
+        "auto",
+        description="The generation's KV cache: static (preallocated at prompt + max_new_tokens, each token's "
+        "step a CUDA graph on a GPU) or dynamic (grown per token, launched from Python). auto: static on a "
+        "GPU where the strategy allows the graphs (none, ddp), dynamic elsewhere (the CPU, fsdp).",
     )
     log_samples_every: int = Field(
         0,

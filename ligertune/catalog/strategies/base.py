@@ -64,7 +64,8 @@ class ParallelOptions(Section):
     resume_same_world_size: ClassVar[bool] = False
     # What it cannot do, and why: "lora" (adapters), "quantized" (bitsandbytes weights, QLoRA),
     # "fp8" (torchao's float8 layers), "bf16 weights" (training.precision bf16), "generation" (an
-    # objective that generates its completions with the policy while it trains), "expert
+    # objective that generates its completions with the policy while it trains), "graphed
+    # generation" (that generation's decode step captured as a CUDA graph), "expert
     # adapters" (lora.target_parameters: peft's adapters on 3-D parameters), "eval.tasks"
     # (lm-evaluation-harness on the trained model, which needs one process to hold all of it).
     unsupported: ClassVar[dict[str, str]] = {}

@@ -79,6 +79,10 @@ class FSDPParallel(ParallelOptions):
         # for the length of every forward, while FSDP2 swaps the same parameter between its
         # shard and the gathered tensor: never tried together.
         "expert adapters": "untried with peft's parametrized expert weights",
+        # The generation's decode captured as a CUDA graph (objective.generation_cache: static)
+        # over the weights `Runtime.gathered` holds unsharded: FSDP2's forward hooks run inside
+        # the capture, never tried.
+        "graphed generation": "CUDA graphs over its gathered weights are untried",
     }
     gathers_float8: ClassVar[bool] = True  # torchao's float8 tensors implement FSDP2's all-gather hooks
     rules: ClassVar[tuple[Rule, ...]] = (
