@@ -75,7 +75,7 @@ lane_seq() {
 lane_moe() {
   timeout --signal=INT --kill-after=20 200 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
     tests/kernels/test_moe.py tests/test_moe_gpu.py
-  timeout --signal=INT --kill-after=20 120 "$PYTHON" scripts/moe_bench.py --out "$WORK/moe/moe-bench.json"
+  timeout --signal=INT --kill-after=20 300 "$PYTHON" scripts/moe_bench.py --rep-ms 200 --out "$WORK/moe/moe-bench.json"
   "$PYTHON" scripts/e2e_bench.py recipes/qwen3-30b-a3b-alpaca-bench.yaml parallel.strategy=none \
     'model.config_overrides={num_hidden_layers: 4}' training.precision=bf16 training.micro_batch_size=2 \
     training.activation_checkpointing=none --seq-lens 4096 --random-rows 16 --steps 10 --warmup 4 \

@@ -98,11 +98,10 @@ PATCHED = {
             "layer_norm": 6,
             "swiglu": 2,
             "rope": 2,
-            "vision_attention": 2,
             "fused_linear_cross_entropy": 1,
         },
         (
-            "vision tower (model.visual, 2 blocks): layer_norm 6, vision_attention 2;",
+            "vision tower (model.visual, 2 blocks): layer_norm 6;",
             "(apply_rotary_pos_emb_vision) is not patched",
         ),
         "model.visual.blocks.0.attn.qkv.weight",
@@ -179,13 +178,10 @@ GRIDS = [[1, 10, 6], [1, 6, 14], [1, 4, 4]]  # 60 + 84 + 16 = 160 patches: padde
 
 def _tower_model(architecture: str, depth: int = 4):
     """The tiny model with a deeper vision tower: Qwen2.5-VL's blocks 1 and 3 attend over whole
-    images, 0 and 2 within windows; Qwen3-VL's all over whole images."""
+    images, 0 and 2 within windows."""
     config = copy.deepcopy(SHIPPED_CONFIGS[architecture])
     config["vision_config"]["depth"] = depth
-    if config["model_type"] == "qwen2_5_vl":
-        config["vision_config"]["fullatt_block_indexes"] = [1, 3]
-    else:
-        config["vision_config"]["deepstack_visual_indexes"] = [1]
+    config["vision_config"]["fullatt_block_indexes"] = [1, 3]
     recipe = _recipe("training.precision=fp32", f"model.config={json.dumps(config)}")
     return build_model(recipe, torch.device("cpu"))
 
@@ -206,13 +202,12 @@ def _tower_forward_backward(model, pixels, grid):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
-@pytest.mark.parametrize("architecture", ["tiny-qwen2.5-vl", "tiny-qwen3-vl"])
-def test_vision_attention_matches_hfs_per_segment_attention_fp32(architecture, checkpointing, monkeypatch):
+def test_vision_attention_matches_hfs_per_segment_attention_fp32(checkpointing, monkeypatch):
     """Three images of different sizes, ragged windows, windowed and full layers: the tower's
     outputs, the pixels' gradient and every tower weight's gradient equal HF's per-segment SDPA
-    path; one mask per distinct cu_seqlens per forward (Qwen2.5-VL: windows and images;
-    Qwen3-VL: images), not one per layer, and gradient checkpointing's recompute reuses them."""
-    reference = _tower_model(architecture)
+    path; one mask per distinct cu_seqlens per forward (windows and images), not one per layer,
+    and gradient checkpointing's recompute reuses them."""
+    reference = _tower_model("tiny-qwen2.5-vl")
     if checkpointing:
         reference.gradient_checkpointing_enable()
     patched = copy.deepcopy(reference)
@@ -230,7 +225,7 @@ def test_vision_attention_matches_hfs_per_segment_attention_fp32(architecture, c
         model.train()
     expected = _tower_forward_backward(reference, pixels, grid)
     got = _tower_forward_backward(patched, pixels, grid)
-    assert len(built) == (2 if architecture == "tiny-qwen2.5-vl" else 1)
+    assert len(built) == 2
     for name, a, b in zip(("hidden", "features", "pixels.grad"), got[:3], expected[:3], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
     assert got[3].keys() == expected[3].keys()
@@ -315,7 +310,7 @@ def test_vision_attention_leaves_flash_attention_and_siglip_alone():
     )
     report = patch_model(gemma, _vision_only(True))
     assert report.patched["vision_attention"] == 0
-    assert "Qwen2.5-VL and Qwen3-VL only" in report.skipped["vision_attention"]
+    assert "Qwen2.5-VL only" in report.skipped["vision_attention"]
 
 
 # -- data ----------------------------------------------------------------------------------------

@@ -102,7 +102,7 @@ def patch_vision_attention(patcher: Patcher) -> None:
     if vision is None or vision.attention is None:
         patcher.skip(
             "vision_attention",
-            "no vision attention of this family splits its images or windows (Qwen2.5-VL and Qwen3-VL only)",
+            "no vision attention of this family splits its images or windows (Qwen2.5-VL only)",
         )
         return
     found = patcher.family_instances(vision.attention)
