@@ -714,3 +714,119 @@ def test_plan_predicts_the_measured_peak_on_gpu(tmp_path, kernels, checkpointing
     )
     predicted = estimate(recipe_shape(recipe), setting_of(recipe, 1)).peak / GIB
     assert predicted == pytest.approx(measured, rel=0.10), (predicted, measured)
+
+
+# --------------------------------------------------------------------------------------------
+# Vision-language models: model.freeze and the vision tower
+# --------------------------------------------------------------------------------------------
+
+
+def _tiny_vl_counts() -> tuple[int, int]:
+    """(the tower's parameters without its merger, the merger's) of the tiny Qwen2.5-VL, counted
+    on a meta build straight from transformers."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from ligertune.catalog.architectures import SHIPPED_CONFIGS
+
+    mapping = dict(SHIPPED_CONFIGS["tiny-qwen2.5-vl"])
+    config = AutoConfig.for_model(mapping.pop("model_type"), **mapping)
+    with torch.device("meta"):
+        model = AutoModelForImageTextToText.from_config(config)
+    tower = sum(p.numel() for p in model.model.visual.parameters())
+    merger = sum(p.numel() for p in model.model.visual.merger.parameters())
+    return tower - merger, merger
+
+
+@pytest.mark.parametrize("parts", [["vision"], ["vision", "projector"]])
+def test_freeze_drops_exactly_the_frozen_parameters_gradients_and_moments(parts):
+    """fp32: 4 bytes per gradient element, two AdamW moments of 4; the weights stay."""
+    blocks, merger = _tiny_vl_counts()
+    frozen = blocks + (merger if "projector" in parts else 0)
+    vl = ROOT / "recipes" / "quickstart-vl.yaml"
+    plain = load_recipe(vl, [])
+    freezing = load_recipe(vl, [f"model.freeze=[{','.join(parts)}]"])
+    before = estimate(recipe_shape(plain), setting_of(plain, 1)).states
+    after = estimate(recipe_shape(freezing), setting_of(freezing, 1)).states
+    assert recipe_shape(freezing).frozen_params == frozen
+    assert before["weights"] == after["weights"]
+    assert before["AdamW moments"] - after["AdamW moments"] == 2 * frozen * 4
+    grads = "gradients (at the end of backward)"
+    assert before[grads] - after[grads] == frozen * 4
+
+
+def test_vision_tower_by_hand():
+    """A tower of 3 blocks, hidden 40, gated MLP 100; images of 30 tokens, 4 patches each (120
+    patches); rows of 100 tokens hold 3 of them, micro-batch 2: 720 patches, bf16."""
+    from ligertune.catalog.shape import VisionShape
+    from ligertune.plan.vision import assumption, frozen_tower_bytes, vision_activation_bytes
+
+    tower = VisionShape(
+        layers=3,
+        hidden=40,
+        intermediate=100,
+        gated=True,
+        trains=True,
+        patches_per_token=4,
+        tokens_per_image=30,
+        patches_per_image=120,
+        max_pixels=120 * 14 * 14,
+    )
+    shape = replace(model_shape(tiny()), vision=tower)
+    s = Setting(micro_batch_size=2, seq_len=100, kernels=OURS)
+    patches = 2 * 3 * 120
+    block = patches * (8 * 40 + 4 * 100) * 2
+    assert vision_activation_bytes(shape, s) == {"vision tower: 3 blocks (720 patches)": 3 * block}
+    assert frozen_tower_bytes(shape, s) == 0
+    full = vision_activation_bytes(shape, replace(s, checkpointing="full"))
+    assert full == {"vision tower: 3 checkpointed blocks (their inputs, 720 patches)": 3 * patches * 40 * 2}
+    assert "assumes 3 images of 23,520 pixels" in assumption(shape, s)
+
+    frozen = replace(shape, vision=replace(tower, trains=False, gated=False))
+    ungated = patches * (8 * 40 + 2 * 100) * 2
+    assert vision_activation_bytes(frozen, s) == {} and frozen_tower_bytes(frozen, s) == ungated
+    b = estimate(frozen, s)
+    states = sum(v for k, v in b.states.items() if not k.startswith("gradients"))
+    assert b.moments["frozen vision tower forward (start of the forward)"] == states + ungated
+    assert (
+        estimate(shape, s).moments["loss (end of forward)"]
+        - estimate(replace(shape, vision=None), s).moments["loss (end of forward)"]
+        == 3 * block
+    )
+
+    # No bound on an image (Qwen-VL without data.image_max_pixels): rows of image tokens only.
+    unbounded = replace(shape, vision=replace(tower, tokens_per_image=None, patches_per_image=None))
+    assert frozen_tower_bytes(replace(unbounded, vision=replace(unbounded.vision, trains=False)), s) == (
+        2 * 100 * 4 * (8 * 40 + 4 * 100) * 2
+    )
+    assert "data.image_max_pixels is unset" in assumption(unbounded, s)
+
+
+def test_a_vl_recipes_tower_from_its_config_and_image_bounds():
+    """tiny-qwen2.5-vl: 2 blocks, hidden 64, gated MLP 128, 14-pixel patches merged 2×2;
+    image_max_pixels 3136 = 56×56: 16 patches, 4 tokens. Gemma 3's: 56-pixel images of 14-pixel
+    patches (16), 4 tokens each (mm_tokens_per_image), ungated SigLIP MLP."""
+    qwen = recipe_shape(load_recipe(ROOT / "recipes" / "quickstart-vl.yaml", [])).vision
+    assert (qwen.layers, qwen.hidden, qwen.intermediate, qwen.gated, qwen.trains) == (2, 64, 128, True, True)
+    assert (qwen.tokens_per_image, qwen.patches_per_image, qwen.patches_per_token) == (4, 16, 4)
+    lora = load_recipe(ROOT / "recipes" / "quickstart-vl.yaml", ["lora.r=4"])
+    assert not recipe_shape(lora).vision.trains  # adapters on the language model only
+    gemma = recipe_shape(
+        load_recipe(ROOT / "recipes" / "quickstart-vl-gemma3.yaml", ["model.freeze=[vision]"])
+    )
+    v = gemma.vision
+    assert (v.gated, v.trains, v.tokens_per_image, v.patches_per_image) == (False, False, 4, 16)
+    assert recipe_shape(load_recipe(QUICKSTART, [])).vision is None
+
+
+def test_plan_command_says_what_it_assumes_of_the_images():
+    result = runner.invoke(
+        app, ["plan", str(ROOT / "recipes" / "quickstart-vl.yaml"), "model.freeze=[vision]"]
+    )
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "frozen (model.freeze: vision)" in text
+    assert (
+        "vision tower (2 blocks, frozen: one block's forward at a time, nothing saved): assumes 32 images"
+        in text
+    )
+    assert "frozen vision tower forward" in text

@@ -654,3 +654,45 @@ def test_quickstart_vl_trains_through_the_cli_and_generate_answers_about_an_imag
         return  # the missing image's error does not depend on the family: one CLI start less
     missing = _cli("generate", str(tmp_path), "--image", str(tmp_path / "nope.png"), "--prompt", "Hi")
     assert missing.returncode == 2 and "nope.png: file not found" in missing.stderr
+
+
+def test_llama_32_vision_is_refused_early_naming_the_family_why_and_whats_supported():
+    """A tiny mllama config (no download): refused when its config is built, the first step of
+    validate, plan and train (transformers builds it: the refusal is ours), instead of a text
+    model's error about the images' message fields."""
+    from ligertune.config.rules import model_problems
+
+    tiny = {
+        "model_type": "mllama",
+        "text_config": {
+            "vocab_size": 2052,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "cross_attention_layers": [1],
+            "pad_token_id": 0,
+        },
+        "vision_config": {
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 2,
+            "num_global_layers": 1,
+            "attention_heads": 2,
+            "image_size": 56,
+            "patch_size": 14,
+            "vision_output_dim": 64,
+            "intermediate_layers_indices": [0],
+        },
+    }
+    recipe = _recipe("model.config=" + json.dumps(tiny))
+    with pytest.raises(RecipeError) as refused:
+        build_config(recipe)
+    (line,) = refused.value.problems
+    assert line.startswith("model.config: Llama 3.2 Vision (mllama) is not supported yet")
+    assert "cross-attention layers" in line and "tiles each image" in line
+    assert "Supported vision-language model types: gemma3, qwen2_5_vl, qwen3_vl" in line
+    assert line in model_problems(recipe)  # ligertune validate
+    with pytest.raises(RecipeError, match="mllama"):
+        build_model(recipe, torch.device("cpu"), empty=True)

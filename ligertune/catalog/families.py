@@ -331,3 +331,26 @@ FAMILIES: dict[str, Family] = {
         ),
     )
 }
+
+# Vision-language model types transformers knows and the table does not cover yet, and why: a
+# recipe naming one is refused as soon as its config is built
+# (`ligertune.models.config.build_config`), before a text-model path could fail on its images in
+# less clear words.
+NOT_SUPPORTED_VISION = {
+    "mllama": (
+        "Llama 3.2 Vision (mllama) is not supported yet: its images enter the language model through "
+        "cross-attention layers between the decoder layers (the vision features are attended to, not "
+        "inserted among the text as image tokens), and its processor tiles each image with aspect-ratio "
+        "ids; neither is what the vision-language path does"
+    ),
+}
+
+
+def not_supported_vision(model_type: str | None) -> str | None:
+    """Why a vision-language model type is refused (`NOT_SUPPORTED_VISION`), naming the supported
+    families; None for any other type."""
+    reason = NOT_SUPPORTED_VISION.get(model_type)
+    if reason is None:
+        return None
+    supported = ", ".join(t for t, f in FAMILIES.items() if f.vision is not None)
+    return f"{reason}. Supported vision-language model types: {supported} (docs/vision.md)"

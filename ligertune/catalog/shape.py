@@ -11,6 +11,29 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class VisionShape:
+    """A vision-language model's vision tower, as the memory plan counts it
+    (`ligertune.plan.vision`): its blocks' sizes, whether they train, and how many patches the
+    recipe's largest image makes.
+
+    ``tokens_per_image`` and ``patches_per_image`` are those of the largest image a row can
+    carry: Qwen-VL's ``data.image_max_pixels`` in patches of ``patch_size``², merged
+    ``merge``² to a token; Gemma 3's fixed ``mm_tokens_per_image`` over its fixed
+    ``image_size``. None where the recipe sets no bound (Qwen-VL without
+    ``data.image_max_pixels``: the image processor's own bound, which the plan does not read)."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    gated: bool  # its MLP: gate, up and their product (Qwen2.5-VL), or one up projection (SigLIP, Qwen3-VL)
+    trains: bool  # its blocks have trainable parameters (not model.freeze: vision, not LoRA)
+    patches_per_token: int  # patches merged into one image token (Qwen-VL: merge²)
+    tokens_per_image: int | None
+    patches_per_image: int | None
+    max_pixels: int | None = None  # data.image_max_pixels, where it bounds the image (for the plan's note)
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The sizes that decide memory and FLOPs, read from a (meta-device) model and its config
     (a multimodal model's ``text_config`` for the language model's geometry)."""
@@ -35,10 +58,16 @@ class ModelShape:
     experts: int = 0  # routed experts per MoE layer
     top_k: int = 0  # experts per token
     expert_params: int = 0  # the routed experts' weights, all layers (all of them in `params`)
+    # Parameters `model.freeze` leaves untrained (a vision-language model's named parts): like
+    # LoRA's frozen base, weights without gradients or AdamW moments.
+    frozen_params: int = 0
+    vision: VisionShape | None = None  # a vision-language model's vision tower
 
     @property
     def trainable(self) -> int:
-        return self.lora_params or self.params
+        """Parameters with gradients and optimizer state: LoRA's adapters, else every parameter
+        `model.freeze` leaves training."""
+        return self.lora_params or self.params - self.frozen_params
 
     @property
     def active_params(self) -> int:

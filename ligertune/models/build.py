@@ -164,10 +164,10 @@ def vision_parts(model: nn.Module) -> dict[str, list[nn.Module]] | None:
     }
 
 
-def freeze(model: nn.Module, parts: list[str]) -> str:
-    """``model.freeze``: the named parts' parameters stop requiring grad (the optimizer takes
-    only what requires grad). The projector may sit inside the vision tower (Qwen2.5-VL's
-    merger): freezing ``vision`` leaves it trainable. Returns a line for the run log."""
+def frozen_parameters(model: nn.Module, parts: list[str]) -> list[nn.Parameter]:
+    """The parameters ``model.freeze`` stops training: those of the named parts, less those of
+    a part left training that sits inside one (Qwen2.5-VL's merger inside ``model.visual``: freezing
+    ``vision`` leaves it trainable), each once. The memory plan counts them as `freeze` freezes them."""
     found = vision_parts(model)
     if found is None:
         raise RecipeError(
@@ -178,12 +178,22 @@ def freeze(model: nn.Module, parts: list[str]) -> str:
     keep = {
         id(p) for part, modules in found.items() if part not in parts for m in modules for p in m.parameters()
     }
-    frozen = 0
+    frozen = {}
     for part in parts:
         for param in (p for m in found[part] for p in m.parameters()):
-            if id(param) not in keep and param.requires_grad:
-                param.requires_grad_(False)
-                frozen += param.numel()
+            if id(param) not in keep:
+                frozen[id(param)] = param
+    return list(frozen.values())
+
+
+def freeze(model: nn.Module, parts: list[str]) -> str:
+    """``model.freeze``: the named parts' parameters (`frozen_parameters`) stop requiring grad
+    (the optimizer takes only what requires grad). Returns a line for the run log."""
+    frozen = 0
+    for param in frozen_parameters(model, parts):
+        if param.requires_grad:
+            param.requires_grad_(False)
+            frozen += param.numel()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return f"frozen: {', '.join(parts)} ({frozen:,} parameters); {trainable:,} parameters train"
 

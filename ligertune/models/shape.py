@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from ligertune.catalog.families import FAMILIES
-from ligertune.catalog.shape import ModelShape
+from ligertune.catalog.shape import ModelShape, VisionShape
 from ligertune.errors import RecipeError
-from ligertune.models.build import build_model, decoder_layers
+from ligertune.models.build import build_model, decoder_layers, frozen_parameters, tokens_per_image
 
 if TYPE_CHECKING:
     from ligertune.config import Recipe
@@ -116,15 +116,54 @@ def expert_lora_params(model: nn.Module, rank: int, targets: str | list[str]) ->
     return sum(w.shape[0] * rank * (w.shape[1] + w.shape[2]) for _, w in expert_weights(model, targets))
 
 
+def vision_shape(model: nn.Module, recipe: Recipe) -> VisionShape | None:
+    """The vision tower's `VisionShape` for the recipe (None for a text model): its blocks (the
+    family's `VisionTower.block`) and their sizes from the config's ``vision_config``; whether
+    they train (not under ``model.freeze: [vision]``, nor LoRA, which adapts the language model
+    only); the largest image's patches and tokens: Gemma 3's fixed size and count, or Qwen-VL's
+    ``data.image_max_pixels`` in merged patches (the processor resizes each side to a multiple of
+    ``patch_size × merge`` within that many pixels)."""
+    family = FAMILIES.get(getattr(model.config, "model_type", None))
+    if family is None or family.vision is None:
+        return None
+    record, config = family.vision, model.config.vision_config
+    # By class name, as the patch report counts them: Gemma 3's SigLIP blocks live in another module.
+    layers = sum(type(m).__name__ == record.block for m in model.get_submodule(record.tower).modules())
+    fixed = tokens_per_image(model.config, record)
+    if fixed is not None:
+        patches = (config.image_size // config.patch_size) ** 2
+        per_token, tokens, max_pixels = patches // fixed, fixed, None
+    else:
+        per_token, max_pixels = config.spatial_merge_size**2, recipe.data.image_max_pixels
+        tokens = max_pixels // (config.patch_size**2 * per_token) if max_pixels else None
+        patches = tokens * per_token if tokens is not None else None
+    return VisionShape(
+        layers=layers,
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        gated=record.mlp is not None,
+        trains="vision" not in recipe.model.freeze and recipe.lora is None,
+        patches_per_token=per_token,
+        tokens_per_image=tokens,
+        patches_per_image=patches,
+        max_pixels=max_pixels,
+    )
+
+
 def recipe_shape(recipe: Recipe) -> ModelShape:
-    """The shape of the recipe's model, from an empty build (no memory, no weights read)."""
+    """The shape of the recipe's model, from an empty build (no memory, no weights read): with
+    the parameters ``model.freeze`` leaves untrained and the vision tower of a vision-language model."""
     model = build_model(recipe, torch.device("cpu"), empty=True)
+    frozen = (
+        sum(p.numel() for p in frozen_parameters(model, recipe.model.freeze)) if recipe.model.freeze else 0
+    )
+    common = dict(frozen_params=frozen, vision=vision_shape(model, recipe))
     lora = recipe.lora
     if lora is None:
-        return model_shape(model)
+        return replace(model_shape(model), **common)
     experts = expert_lora_params(model, lora.r, lora.target_parameters) if lora.target_parameters else 0
     shape = model_shape(model, lora_params(model, lora.r, lora.target_modules) + experts)
-    return replace(shape, expert_lora_params=experts)
+    return replace(shape, expert_lora_params=experts, **common)
 
 
 def section_shape(recipe: Recipe, section: ModelSection) -> ModelShape:

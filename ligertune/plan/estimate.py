@@ -15,7 +15,7 @@ policy's forward and backward run over all 2B rows at once, so every per-token c
 (activations, the loss head, the working sets) is of 2B rows.
 
 The peak allocated memory of a training step is the largest of three moments (four with a
-frozen reference, five with an objective that generates):
+frozen reference, five with an objective that generates, one more with a frozen vision tower):
 
 1. *the loss*: the end of the forward, when every saved activation is alive, plus the loss
    head's temporaries (eager: the ``[tokens × vocab]`` logits, their fp32 copy, log-softmax and
@@ -40,6 +40,11 @@ frozen reference, five with an objective that generates):
    `ligertune.distributed.fsdp.FSDPRuntime.gathered`). Its loss head (``policy``) runs on the
    completion positions only (`Setting.head_tokens`): chunks of whole completions, at least one
    (``generated_tokens`` × vocab logits) whatever the budget.
+
+6. *the frozen vision tower's forward* (a vision-language model whose tower does not train):
+   at the start of the forward, before the language model's; one block's tensors at a time,
+   nothing saved (`ligertune.plan.vision`). A tower that trains adds its saved activations to
+   the others instead.
 
 A distillation teacher's forward runs *inside* the student's loss: on the fused path the
 student's lm_head call runs the teacher's forward, whose own lm_head call computes the loss
@@ -109,7 +114,10 @@ Assumptions (what the GPU check, ``scripts/gpu_plan_accuracy.sh``, validates)
   referenced) and the one before it (its copy to the CPU still in flight); in backward, one more,
   the layer prefetched back.
 - AdamW keeps two moments in the parameters' dtype; fp32 master weights for bf16-mixed; LoRA
-  trains only its adapters (frozen weights have no gradient or moments).
+  trains only its adapters, and ``model.freeze`` leaves the parts it names untrained (frozen
+  weights have no gradient or moments: `ModelShape.trainable`).
+- A vision-language model's images: as many of the largest image as a row holds, the tower's
+  blocks counted per patch (`ligertune.plan.vision`).
 - How a strategy spreads the model states over the GPUs, and places a frozen model, is its own
   (`ligertune.catalog.strategies`: the ``memory_*`` and ``frozen_memory`` methods of each).
   FSDP2: each decoder layer is a unit; one is gathered at a time plus one prefetched, in bf16
@@ -136,6 +144,7 @@ from ligertune.plan.activations import (
     recomputed_bytes,
 )
 from ligertune.plan.setting import Breakdown, Setting, compute_bytes, stream_bytes, weight_bytes
+from ligertune.plan.vision import frozen_tower_bytes, vision_activation_bytes
 
 
 def state_bytes(shape: ModelShape, s: Setting) -> tuple[dict[str, int], int]:
@@ -227,11 +236,14 @@ def generation_bytes(shape: ModelShape, s: Setting) -> dict[str, int]:
 # --------------------------------------------------------------------------------------------
 
 
+VISION_FORWARD = "frozen vision tower: one block's forward (nothing saved)"
+
+
 def estimate(shape: ModelShape, s: Setting) -> Breakdown:
     """The per-GPU memory of one training step in setting `s` (see the module docstring)."""
     b = Breakdown(s)
     b.states, grads = state_bytes(shape, s)
-    b.activations = activation_bytes(shape, s)
+    b.activations = activation_bytes(shape, s) | vision_activation_bytes(shape, s)
     # In backward, one layer's tensors come back: copied back from the CPU (the prefetch), or
     # recomputed (a whole layer, or its checkpointed sub-module).
     if s.offload:
@@ -268,6 +280,10 @@ def estimate(shape: ModelShape, s: Setting) -> Breakdown:
         # Before the policy's forward (its activations not yet alive), no gradients (as at the
         # loss): the reference's log-probs under no_grad, one layer at a time, then its head.
         b.moments["frozen reference forward (before the policy's)"] = states + sum(frozen.values())
+    tower = frozen_tower_bytes(shape, s)
+    if tower:  # before the language model's forward: nothing is saved yet, no gradients
+        b.temporaries[VISION_FORWARD] = tower
+        b.moments["frozen vision tower forward (start of the forward)"] = states + tower
     generation = generation_bytes(shape, s)
     if generation:  # before the step: the previous step's gradients are freed, nothing is saved
         b.temporaries.update(generation)

@@ -24,6 +24,7 @@ from ligertune.plan.choose import candidates, cheapest_fix, choose, gib, rank_ch
 from ligertune.plan.estimate import estimate
 from ligertune.plan.recipe import base_setting, micro_batch_choices, recipe_checkpointing
 from ligertune.plan.setting import CHECKPOINTING, GIB, HEADROOM_FRACTION, Breakdown
+from ligertune.plan.vision import assumption
 from ligertune.run.metrics import count_label
 
 
@@ -115,6 +116,10 @@ def plan(recipe: Recipe, world_size: int, budget: int, console: Console, target:
         adapters = (
             f", LoRA r={recipe.lora.r}: {count_label(shape.lora_params)} adapter parameters{on_experts}"
         )
+    if shape.frozen_params and not shape.lora_params:
+        adapters += (
+            f", {count_label(shape.frozen_params)} frozen (model.freeze: {', '.join(recipe.model.freeze)})"
+        )
     console.print(
         f"{recipe.name}: {count_label(shape.params)} parameters{active}{adapters} ({shape.layers} layers, hidden {shape.hidden}, "
         f"vocab {shape.vocab}){frozen}, {base.precision}, {base.parallel.strategy} × {world_size}, rows of "
@@ -122,6 +127,9 @@ def plan(recipe: Recipe, world_size: int, budget: int, console: Console, target:
         f"{gib(budget)} per GPU{target}",
         soft_wrap=True,
     )
+    images = assumption(shape, base)
+    if images:
+        console.print(images, soft_wrap=True)
     console.print(_breakdown_table(own, budget))
     off = estimate(shape, replace(base, kernels=frozenset()))
     console.print(
