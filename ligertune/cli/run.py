@@ -121,7 +121,8 @@ def preprocess(
         None, help="key=value overrides, e.g. data.max_seq_len=4096."
     ),
 ) -> None:
-    """Tokenise the recipe's data into the cache ahead of training, and say where it is.
+    """Tokenise the recipe's data (and process its images, for a vision-language model) into the
+    cache ahead of training, and say where it is.
 
     Runs of the same data, tokenizer and data settings (resumes, every arm of a compare, other
     ranks) then load the cache instead of tokenising. Exit status: 0 done, 2 bad recipe or data.
@@ -139,11 +140,18 @@ def preprocess(
         )
     if not loaded.data.cache:
         raise usage("data.cache is false: set it to true (the default) to keep the tokenised samples")
-    from ligertune.models.build import vision_tower
+    from ligertune.models.build import tokens_per_image, vision_tower
 
-    if vision_tower(loaded) is not None:
-        raise usage("vision-language samples are not cached (docs/vision.md): there is nothing to preprocess")
-    directory, existed = cache_entry(loaded, load_tokenizer(loaded), log=print_line)
+    vision = vision_tower(loaded)
+    if vision is None:
+        directory, existed = cache_entry(loaded, load_tokenizer(loaded), log=print_line)
+    else:  # images through the model's image processor (ligertune.data.vision)
+        from ligertune.data.vision import load_processor, vision_cache_entry
+        from ligertune.models.config import build_config
+
+        fixed = tokens_per_image(build_config(loaded), vision)
+        processor = load_processor(loaded, vision, load_tokenizer(loaded), fixed)
+        directory, existed = vision_cache_entry(loaded, processor, log=print_line)
     print_line(f"{'already cached' if existed else 'cached'}: {directory}")
 
 

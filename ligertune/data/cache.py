@@ -39,14 +39,16 @@ import hashlib
 import json
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from ligertune.files import digest_files, digest_problem, is_link
+from ligertune.errors import DataError
+from ligertune.files import describe_os_error, digest_files, digest_problem, is_link, remove_tree
 
 if TYPE_CHECKING:
     import datasets
@@ -61,6 +63,7 @@ CACHE_VERSION = 2
 META = "meta.json"
 # Data keys that do not change the samples: layout, caching and the progress of a run.
 LAYOUT_KEYS = ("packing", "cache", "cache_dir", "streaming")
+T = TypeVar("T")
 
 
 def cache_root(data: DataSection) -> Path:
@@ -106,11 +109,13 @@ class DamagedEntry(ValueError):
         super().__init__(f"the data cache entry {directory} is damaged: {problem}")
 
 
-def load_entry(directory: Path) -> tuple[dict[str, datasets.Dataset], dict[str, Any]] | None:
+def load_entry(
+    directory: Path, read: Callable[[Path, list[str]], dict[str, Any]] | None = None
+) -> tuple[dict[str, Any], dict[str, Any]] | None:
     """The splits and meta of a complete cache entry, verified against the sizes and digests in
-    its meta; None when there is none. DamagedEntry when it is not what was written."""
-    import datasets
-
+    its meta; None when there is none. DamagedEntry when it is not what was written. `read`
+    turns the verified folder and its split names into the splits: by default `datasets`'
+    ``load_from_disk`` (the text samples); the vision-language samples pass their own."""
     if is_link(directory):
         raise DamagedEntry(directory, "it is a symbolic link, not a folder the cache wrote")
     meta_file = directory / META
@@ -127,10 +132,66 @@ def load_entry(directory: Path) -> tuple[dict[str, datasets.Dataset], dict[str, 
     if problem is not None:
         raise DamagedEntry(directory, problem)
     try:
-        loaded = {name: datasets.load_from_disk(str(directory / name)) for name in splits}
-    except Exception as e:  # what datasets says of a folder it cannot read, in any of its words
+        loaded = (read or _read_datasets)(directory, list(splits))
+    except Exception as e:  # what the reader says of files it cannot read, in any of its words
         raise DamagedEntry(directory, f"a split cannot be loaded ({type(e).__name__}: {e})") from None
     return loaded, meta
+
+
+def _read_datasets(directory: Path, splits: list[str]) -> dict[str, datasets.Dataset]:
+    import datasets
+
+    return {name: datasets.load_from_disk(str(directory / name)) for name in splits}
+
+
+def load_or_build(
+    directory: Path,
+    build: Callable[[Path], dict[str, Any]],
+    log: Callable[[str], None],
+    what: str = "tokenised",
+    read: Callable[[Path, list[str]], dict[str, Any]] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], bool]:
+    """The cache entry at `directory`, verified (`load_entry`), or built there by `build`
+    (`write_entry`) and read back; and whether it was there intact. A damaged entry is
+    reported, removed and rebuilt. `what` names the samples in the log lines."""
+    start = time.perf_counter()
+    try:
+        entry = load_entry(directory, read)
+    except DamagedEntry as e:
+        log(f"warning: {e}; rebuilding it")
+        try:
+            remove_tree(directory)
+        except OSError as removal:
+            raise DataError(f"{e}, and it cannot be removed ({describe_os_error(removal)})") from None
+        entry = None
+    if entry is not None:
+        count = sum(entry[1]["splits"].values())
+        log(f"loaded {count:,} {what} samples from cache {directory} in {time.perf_counter() - start:.1f} s")
+        return *entry, True
+    try:
+        write_entry(directory, build)
+        entry = load_entry(directory, read)
+    except (OSError, DamagedEntry) as e:
+        problem = describe_os_error(e) if isinstance(e, OSError) else str(e)
+        raise DataError(f"cannot write the data cache entry {directory}: {problem}") from None
+    log(f"cached the {what} samples at {directory}")
+    assert entry is not None  # just written
+    return *entry, False
+
+
+def rank_zero_first(load: Callable[[], T], is_main: bool, barrier: Callable[[], None] | None) -> T:
+    """`load()` (a `load_or_build`) on rank 0 while the other ranks wait at `barrier`, then on
+    them: they find rank 0's entry, or build their own where the cache is not shared. The
+    barrier is reached even when rank 0's build fails: the others then build and report it."""
+    if barrier is None:
+        return load()
+    if is_main:
+        try:
+            return load()
+        finally:
+            barrier()
+    barrier()
+    return load()
 
 
 def write_entry(directory: Path, build: Callable[[Path], dict[str, Any]]) -> None:

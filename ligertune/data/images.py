@@ -29,7 +29,7 @@ def open_image(part: dict, base: Path | None, images: list, used: int):
     """The PIL image (RGB) an image part names; BadImage saying why not."""
     from PIL import Image, UnidentifiedImageError
 
-    ref = next((part[k] for k in ("path", "url", "image") if part.get(k) is not None), None)
+    ref = _reference(part)
     try:
         if ref is None:
             if used >= len(images):
@@ -50,8 +50,7 @@ def open_image(part: dict, base: Path | None, images: list, used: int):
                 f"image {ref}: URLs are not fetched (runs are offline); download it and give its path"
             )
         else:
-            path = Path(ref) if Path(ref).is_absolute() or base is None else base / ref
-            image = Image.open(path)
+            image = Image.open(_local_path(ref, base))
         image.load()
         return image.convert("RGB")
     except BadImage:
@@ -60,6 +59,28 @@ def open_image(part: dict, base: Path | None, images: list, used: int):
         raise BadImage(f"image {ref}: file not found") from None
     except (UnidentifiedImageError, OSError, binascii.Error, ValueError) as e:
         raise BadImage(f"image {str(ref)[:80]}: cannot be read ({type(e).__name__}: {e})") from None
+
+
+def _reference(part: dict) -> Any:
+    return next((part[k] for k in ("path", "url", "image") if part.get(k) is not None), None)
+
+
+def _local_path(ref: str, base: Path | None) -> Path:
+    return Path(ref) if Path(ref).is_absolute() or base is None else base / ref
+
+
+def image_files(value: Any, base: Path | None) -> list[Path]:
+    """The files a row's image parts name by path, as `open_image` would open them (not data:
+    URIs, URLs or the row's images column, which the row itself holds): the vision cache keys
+    a sample by their sizes and modification times without opening them."""
+    files = []
+    for message in value if isinstance(value, list) else ():
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else ():
+            ref = _reference(part) if isinstance(part, dict) and part.get("type") == "image" else None
+            if isinstance(ref, str) and not ref.startswith(("data:", "http://", "https://")):
+                files.append(_local_path(ref, base))
+    return files
 
 
 def read_conversation(value: Any, where: str, base: Path | None, images: list) -> tuple[list[dict], list]:

@@ -42,14 +42,13 @@ import numpy as np
 
 from ligertune.catalog.formats import PROMPT_FORMATS, UNPACKED_FORMATS
 from ligertune.data.cache import (
-    DamagedEntry,
     cache_root,
     data_keys,
     fingerprint,
-    load_entry,
+    load_or_build,
+    rank_zero_first,
     samples_digest,
     tokenizer_fingerprint,
-    write_entry,
 )
 from ligertune.data.chat import ChatOptions
 from ligertune.data.formats import (
@@ -67,7 +66,6 @@ from ligertune.data.prompts import prompt_features, prompt_rows, tokenize_prompt
 from ligertune.data.sources import SourceSpec, load_split, quiet_datasets, source_fingerprint, source_specs
 from ligertune.data.streaming import build_streaming
 from ligertune.errors import DataError
-from ligertune.files import describe_os_error, remove_tree
 
 if TYPE_CHECKING:
     import datasets
@@ -108,16 +106,7 @@ def build_datasets(
             entry = builder.load_or_build(Path(work) / "entry")
             return _lay_out(*entry[:2], recipe.data, tokenizer, None, say)
     directory = builder.cache_directory()
-    if barrier is None:
-        entry = builder.load_or_build(directory)
-    elif is_main:
-        try:
-            entry = builder.load_or_build(directory)
-        finally:
-            barrier()  # reached even when the build failed: the others then rebuild and report it
-    else:
-        barrier()
-        entry = builder.load_or_build(directory)
+    entry = rank_zero_first(lambda: builder.load_or_build(directory), is_main, barrier)
     return _lay_out(*entry[:2], recipe.data, tokenizer, directory, say)
 
 
@@ -175,33 +164,8 @@ class _Builder:
         return cache_root(self.data) / key
 
     def load_or_build(self, directory: Path) -> tuple[dict[str, datasets.Dataset], dict[str, Any], bool]:
-        """The cache entry at `directory`, verified (`ligertune.data.cache`), or built there;
-        and whether it was there intact. A damaged entry is reported, removed and rebuilt."""
-        start = time.perf_counter()
-        try:
-            entry = load_entry(directory)
-        except DamagedEntry as e:
-            self.log(f"warning: {e}; rebuilding it")
-            try:
-                remove_tree(directory)
-            except OSError as removal:
-                raise DataError(f"{e}, and it cannot be removed ({describe_os_error(removal)})") from None
-            entry = None
-        if entry is not None:
-            count = sum(entry[1]["splits"].values())
-            self.log(
-                f"loaded {count:,} tokenised samples from cache {directory} in {time.perf_counter() - start:.1f} s"
-            )
-            return *entry, True
-        try:
-            write_entry(directory, self.tokenise)
-            entry = load_entry(directory)
-        except (OSError, DamagedEntry) as e:
-            what = describe_os_error(e) if isinstance(e, OSError) else str(e)
-            raise DataError(f"cannot write the data cache entry {directory}: {what}") from None
-        self.log(f"cached the tokenised samples at {directory}")
-        assert entry is not None  # just written
-        return *entry, False
+        """The cache entry at `directory`, verified, or tokenised there (`ligertune.data.cache.load_or_build`)."""
+        return load_or_build(directory, self.tokenise, self.log)
 
     def tokenise(self, work: Path) -> dict[str, Any]:
         """Choose, tokenise and save every split into `work`; returns the meta to save with them."""

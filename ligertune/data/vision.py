@@ -32,9 +32,13 @@ A sample longer than ``data.max_seq_len`` is dropped and counted, not cut: a cut
 image's tokens would leave the model more image features than placeholders. A broken or
 missing image stops with one line naming the row and the image, or, with
 ``data.skip_bad_images: true``, its row is left out and counted. Rows are padded into
-micro-batches (`VisionLoader`); packing is refused (`data_problem`), and the samples are
-not cached on disk (the pixel values are many times the size of the image files; decoding and
-resizing a row is cheap next to a forward of the vision tower).
+micro-batches (`VisionLoader`); packing is refused (`data_problem`).
+
+The samples are cached as the text samples are (`ligertune.data.cache`: the same folder and
+keys, one verified entry per key written in one rename, rank 0 building it while the others
+wait), one safetensors file per split: a later run with the same inputs opens no image and runs
+no processor. The key (`_Build.key`) adds to the text cache's the image processor's
+configuration, the family's image tokens and the image files' sizes and modification times.
 """
 
 from __future__ import annotations
@@ -42,7 +46,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,12 +55,20 @@ import numpy as np
 import torch
 
 from ligertune.catalog.families import VisionTower
+from ligertune.data.cache import (
+    cache_root,
+    data_keys,
+    fingerprint,
+    load_or_build,
+    rank_zero_first,
+    tokenizer_fingerprint,
+)
 from ligertune.data.chat import template_segments
 from ligertune.data.formats import IGNORE_INDEX, default_messages_field
-from ligertune.data.images import BadImage, read_conversation
+from ligertune.data.images import BadImage, image_files, read_conversation
 from ligertune.data.loader import MicroBatchLoader
 from ligertune.data.prepared import DataStats, Log, PreparedData
-from ligertune.data.sources import load_split, source_specs
+from ligertune.data.sources import load_split, source_fingerprint, source_specs
 from ligertune.errors import DataError, RecipeError
 from ligertune.paths import looks_local
 
@@ -281,63 +294,210 @@ class VisionRows(list):
     loader = VisionLoader
 
 
-def build_vision_datasets(recipe: Recipe, processor: VisionProcessor, log: Log | None = None) -> PreparedData:
+def build_vision_datasets(
+    recipe: Recipe,
+    processor: VisionProcessor,
+    *,
+    is_main: bool = True,
+    barrier: Callable[[], None] | None = None,
+    log: Log | None = None,
+) -> PreparedData:
     """The recipe's train and validation samples for a vision-language model (module docstring):
     ``data.split`` shuffled (seeded) and cut to ``data.max_samples``; validation from
-    ``data.validation_split``, else ``data.validation_fraction`` of the samples held out."""
+    ``data.validation_split``, else ``data.validation_fraction`` of the samples held out. Cached
+    as the text samples are (`ligertune.data.cache`; `is_main` and `barrier` as for
+    `ligertune.data.pipeline.build_datasets`), unless ``data.cache`` is false."""
+    say: Log = log if (log is not None and is_main) else (lambda message: None)
+    build = _Build(recipe, processor, _source(recipe), say)
+    data = recipe.data
+    if data.cache:
+        directory = cache_root(data) / build.key()
+        splits, meta, _ = rank_zero_first(
+            lambda: load_or_build(directory, build.save, say, "processed", _read_samples), is_main, barrier
+        )
+    else:
+        directory = None
+        splits, meta = build.samples()
+    if meta["skipped"]:
+        say(
+            f"warning: skipped {meta['skipped']} row(s) with a bad image (data.skip_bad_images); "
+            f"first: {meta['first_skipped']}"
+        )
+    train = VisionRows(splits["train"])
+    validation = VisionRows(splits["validation"]) if "validation" in splits else None
+    stats = _stats(train, data.max_seq_len, meta["rows"], meta["too_long"])
+    if validation is not None:
+        stats.validation = _stats(validation, data.max_seq_len, len(validation), 0)
+    fingerprint = {"samples": meta["samples"], **meta["splits"]}
+    return PreparedData(train, validation, stats, directory, fingerprint)
+
+
+def vision_cache_entry(
+    recipe: Recipe, processor: VisionProcessor, log: Log | None = None
+) -> tuple[Path, bool]:
+    """Build the recipe's cache entry ahead of training (``ligertune preprocess``); returns its
+    folder and whether it was already there."""
     say: Log = log or (lambda message: None)
+    build = _Build(recipe, processor, _source(recipe), say)
+    directory = cache_root(recipe.data) / build.key()
+    _, _, existed = load_or_build(directory, build.save, say, "processed", _read_samples)
+    return directory, existed
+
+
+def _source(recipe: Recipe):
+    """The recipe's one data source; RecipeError for what a vision-language run refuses."""
     problem = data_problem(recipe)
     if problem:
         raise RecipeError([problem])
-    data = recipe.data
     specs = source_specs(recipe)
     if len(specs) != 1:
         raise RecipeError(["data.mix: a vision-language run reads one dataset (data.path) for now"])
-    spec = specs[0]
-    start = time.perf_counter()
-    dataset, located = load_split(spec, spec.split)
-    rows = np.arange(len(dataset))
-    if data.shuffle:
-        rows = np.random.default_rng([recipe.seed, SHUFFLE_STREAM]).permutation(rows)
-    if data.max_samples is not None:
-        rows = rows[: data.max_samples]
-    encode = _Encoder(processor, recipe, spec)
-    samples = encode(dataset, located, rows.tolist())
-    validation = None
-    if data.validation_split is not None:
-        held_out, held_located = load_split(spec, data.validation_split)
-        validation = VisionRows(encode(held_out, held_located, range(len(held_out))))
-    elif data.validation_fraction > 0:
-        held = max(1, round(len(samples) * data.validation_fraction))
-        if held >= len(samples):
+    return specs[0]
+
+
+class _Build:
+    """The samples of a recipe's splits, and the cache key that says which inputs made them."""
+
+    def __init__(self, recipe: Recipe, processor: VisionProcessor, spec, log: Log):
+        self.recipe, self.processor, self.spec, self.log = recipe, processor, spec, log
+        data = recipe.data
+        self.dataset, self.located = load_split(spec, spec.split)
+        rows = np.arange(len(self.dataset))
+        if data.shuffle:
+            rows = np.random.default_rng([recipe.seed, SHUFFLE_STREAM]).permutation(rows)
+        if data.max_samples is not None:
+            rows = rows[: data.max_samples]
+        self.rows = rows.tolist()
+        self.held_out = None if data.validation_split is None else load_split(spec, data.validation_split)
+
+    def key(self) -> str:
+        """The cache entry's name: a hash of everything the samples depend on. As for text, the
+        source (its file's path, size and modification time, or the hub snapshot), the tokenizer
+        with its chat template, the data keys that change samples (``max_seq_len``, the resize
+        bounds, ``skip_bad_images``, the selection and validation keys) and the seed; and here the
+        image processor's whole configuration, the family's image tokens, the fixed count of image
+        tokens, and the size and modification time of every image file the chosen rows name (an
+        image replaced under the same name is a new sample). No image is opened to compute it."""
+        processor, spec = self.processor, self.spec
+        image_processor = processor.image_processor.to_json_string()
+        return fingerprint(
+            {
+                "sources": [{**asdict(spec), "data": source_fingerprint(spec, self.dataset)}],
+                "images": self.image_stats(),
+                "tokenizer": tokenizer_fingerprint(processor.tokenizer),
+                "image_processor": hashlib.sha256(image_processor.encode()).hexdigest(),
+                "vision": asdict(processor.vision),
+                "tokens_per_image": processor.tokens_per_image,
+                "data": data_keys(self.recipe.data),
+                "seed": self.recipe.seed,
+            }
+        )
+
+    def image_stats(self) -> str:
+        """sha256 of (path, size, modification time) of each image file of the chosen rows, in
+        order (a missing file as such: its row fails or is skipped when the samples are built)."""
+        digest = hashlib.sha256()
+        field = self.spec.messages_field or default_messages_field("chat")
+        base = _image_base(self.spec)
+        chosen = [(self.dataset, self.located, self.rows)]
+        if self.held_out is not None:
+            chosen.append((*self.held_out, range(len(self.held_out[0]))))
+        for dataset, located, rows in chosen:
+            messages = dataset.select_columns([field])[field]  # not the images column: nothing decoded
+            for index in rows:
+                for path in image_files(located.value(messages[index]), base):
+                    try:
+                        stat = path.stat()
+                        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+                    except OSError:
+                        digest.update(f"{path}\0missing\0".encode())
+        return digest.hexdigest()
+
+    def samples(self) -> tuple[dict[str, list[dict[str, torch.Tensor]]], dict[str, Any]]:
+        """Every split's samples, and the meta the cache keeps with them: the counts the log
+        and the stats report, and the digest a checkpoint records."""
+        data, start = self.recipe.data, time.perf_counter()
+        encode = _Encoder(self.processor, self.recipe, self.spec)
+        samples = encode(self.dataset, self.located, self.rows)
+        validation = None
+        if self.held_out is not None:
+            validation = encode(*self.held_out, range(len(self.held_out[0])))
+        elif data.validation_fraction > 0:
+            held = max(1, round(len(samples) * data.validation_fraction))
+            if held >= len(samples):
+                raise DataError(
+                    f"{self.located}: data.validation_fraction {data.validation_fraction} leaves nothing to train on"
+                )
+            rng = np.random.default_rng([self.recipe.seed, HOLDOUT_STREAM])
+            chosen = set(rng.choice(len(samples), held, replace=False).tolist())
+            validation = [s for i, s in enumerate(samples) if i in chosen]
+            samples = [s for i, s in enumerate(samples) if i not in chosen]
+        if not samples:
             raise DataError(
-                f"{located}: data.validation_fraction {data.validation_fraction} leaves nothing to train on"
+                f"{self.located}: no sample left to train on ({len(encode.skipped)} with bad images, "
+                f"{encode.too_long} longer than data.max_seq_len)"
             )
-        rng = np.random.default_rng([recipe.seed, HOLDOUT_STREAM])
-        chosen = set(rng.choice(len(samples), held, replace=False).tolist())
-        validation = VisionRows(s for i, s in enumerate(samples) if i in chosen)
-        samples = [s for i, s in enumerate(samples) if i not in chosen]
-    if encode.skipped:
-        say(
-            f"warning: skipped {len(encode.skipped)} row(s) with a bad image (data.skip_bad_images); "
-            f"first: {encode.skipped[0]}"
+        splits = {"train": samples} | ({"validation": validation} if validation is not None else {})
+        images = sum(_image_count(s) for s in samples)
+        self.log(
+            f"processed {len(self.rows):,} rows with {images:,} images in {time.perf_counter() - start:.1f} s"
         )
-    if not samples:
-        raise DataError(
-            f"{located}: no sample left to train on ({len(encode.skipped)} with bad images, "
-            f"{encode.too_long} longer than data.max_seq_len)"
-        )
-    train = VisionRows(samples)
-    stats = _stats(train, data.max_seq_len, len(rows), encode.too_long)
-    if validation is not None:
-        stats.validation = _stats(validation, data.max_seq_len, len(validation), 0)
-    images = sum(_image_count(s) for s in train)
-    say(
-        f"processed {len(rows):,} rows with {images:,} images in {time.perf_counter() - start:.1f} s (not cached)"
-    )
-    splits = {"train": train} | ({"validation": validation} if validation is not None else {})
-    fingerprint = {"samples": _digest(splits), **{k: len(v) for k, v in splits.items()}}
-    return PreparedData(train, validation, stats, None, fingerprint)
+        meta = {
+            "splits": {name: len(split) for name, split in splits.items()},
+            "samples": _digest(splits),
+            "rows": len(self.rows),
+            "too_long": encode.too_long,
+            "skipped": len(encode.skipped),
+            "first_skipped": encode.skipped[0] if encode.skipped else None,
+        }
+        return splits, meta
+
+    def save(self, work: Path) -> dict[str, Any]:
+        """The samples into `work` for `ligertune.data.cache.write_entry`: one safetensors file
+        per split. Each tensor name holds its samples' tensors concatenated along the first
+        dimension (``values/<name>``) and their lengths there (``lengths/<name>``; −1 where a
+        sample has none, as a row without images has no ``pixel_values``). safetensors holds
+        integer and float tensors of any shape and its reader runs no code (no pickle)."""
+        from safetensors.torch import save_file
+
+        splits, meta = self.samples()
+        for name, rows in splits.items():
+            keys = sorted({k for row in rows for k in row})
+            tensors = {}
+            for k in keys:
+                tensors[f"values/{k}"] = torch.cat([row[k] for row in rows if k in row]).contiguous()
+                tensors[f"lengths/{k}"] = torch.tensor([len(row[k]) if k in row else -1 for row in rows])
+            save_file(tensors, str(work / f"{name}.safetensors"))
+        return meta
+
+
+def _read_samples(directory: Path, splits: list[str]) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """The samples `_Build.save` wrote, each tensor a view into its split's tensors. The files
+    are read into memory, not mapped: the samples are then those the digests just verified, and
+    a file changed on disk during the run (or truncated: a mapped page past its end is a
+    SIGBUS) cannot change or crash them."""
+    from safetensors.torch import load
+
+    loaded = {}
+    for name in splits:
+        tensors = load((directory / f"{name}.safetensors").read_bytes())
+        keys = [k.removeprefix("values/") for k in tensors if k.startswith("values/")]
+        rows: list[dict[str, torch.Tensor]] = []
+        for k in keys:
+            lengths = tensors[f"lengths/{k}"].tolist()
+            if not rows:
+                rows = [{} for _ in lengths]
+            pieces = iter(tensors[f"values/{k}"].split([n for n in lengths if n >= 0]))
+            for row, n in zip(rows, lengths, strict=True):
+                if n >= 0:
+                    row[k] = next(pieces)
+        loaded[name] = rows
+    return loaded
+
+
+def _image_base(spec) -> Path | None:
+    """The folder relative image paths start from: the data file's, or the data folder."""
+    return None if spec.local is None else (spec.local if spec.local.is_dir() else spec.local.parent)
 
 
 class _Encoder:
@@ -346,7 +506,7 @@ class _Encoder:
 
     def __init__(self, processor: VisionProcessor, recipe: Recipe, spec):
         self.processor, self.recipe = processor, recipe
-        self.base = None if spec.local is None else (spec.local if spec.local.is_dir() else spec.local.parent)
+        self.base = _image_base(spec)
         self.field = spec.messages_field or default_messages_field("chat")
         self.skipped: list[str] = []
         self.too_long = 0

@@ -123,7 +123,9 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
     if vision is not None:  # images through the model's image processor (ligertune.data.vision)
         fixed = tokens_per_image(build_config(recipe), vision)  # Gemma 3's image tokens per image
         processor = load_processor(recipe, vision, tokenizer, fixed)
-        datasets = build_vision_datasets(recipe, processor, log=log if runtime.is_main else None)
+        datasets = build_vision_datasets(
+            recipe, processor, is_main=runtime.is_main, barrier=runtime.barrier, log=log
+        )
     else:
         datasets = build_datasets(
             recipe, tokenizer, is_main=runtime.is_main, barrier=runtime.barrier, log=log

@@ -104,7 +104,9 @@ class DataSection(Section):
         "tokenising it all first; needs training.max_steps.",
     )
     cache: bool = Field(
-        True, description="Keep the tokenised samples on disk and reuse them while the inputs are unchanged."
+        True,
+        description="Keep the tokenised samples (a vision-language model's processed samples too) on disk "
+        "and reuse them while the inputs are unchanged.",
     )
     image_min_pixels: int | None = Field(
         None,
