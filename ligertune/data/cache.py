@@ -9,6 +9,11 @@ keys that change samples (format, max_seq_len, train_on_inputs, fields, selectio
 seed (it picks the rows). Packing is left out: rows are laid out from the cached samples on
 every load, so runs that differ only in ``data.packing`` share a cache entry.
 
+A vision-language model's processed samples (`ligertune.data.vision`) use the same root,
+writing, verifying and loading (`load_or_build`, `rank_zero_first`), with one safetensors file
+per split instead of the ``save_to_disk`` folders (tensors of any shape, floats included, and a
+reader that runs no code) and a key that adds the image processor and the image files.
+
 Why ``save_to_disk``/``load_from_disk`` in our own folder rather than `Dataset.map`'s cache
 files: map's cache lives next to the source's Arrow files (in the Hugging Face cache, placed
 differently for hub and local sources) and is keyed by hashing the mapped function and its
