@@ -591,9 +591,11 @@ def _work(spec: Path) -> None:
         return kernel(hidden, weight, *args, **kwargs)
 
     flce.fused_linear_cross_entropy = recording
-    for overrides in json.loads(spec.read_text()):
+    for run in json.loads(spec.read_text()):
         weight_shapes.clear()
-        recipe = load_recipe(QUICKSTART, overrides)
+        # A run is the quickstart's overrides, or {"recipe": path, "overrides": [...]}.
+        base, overrides = (Path(run["recipe"]), run["overrides"]) if isinstance(run, dict) else (QUICKSTART, run)
+        recipe = load_recipe(base, overrides)
         train(recipe)
         (recipe.run_dir / f"flce-rank{dist.get_rank()}.json").write_text(json.dumps(weight_shapes))
     leave_process_groups(synchronised=True)

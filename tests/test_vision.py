@@ -694,3 +694,55 @@ def test_llama_32_vision_is_refused_early_naming_the_family_why_and_whats_suppor
     assert line in model_problems(recipe)  # ligertune validate
     with pytest.raises(RecipeError, match="mllama"):
         build_model(recipe, torch.device("cpu"), empty=True)
+
+
+@pytest.mark.slow
+def test_fsdp_shards_each_vision_block_and_two_ranks_train_as_one_process(tmp_path):
+    """FSDP2 over two gloo ranks, the tower training: every vision block and every decoder layer
+    is a unit of its own (checked in the worker's log of units), and the losses and gradient norms
+    are one process's at the same global batch (fp32; only the reduction order differs)."""
+    from ligertune.training import train
+    from tests.test_distributed import FP32_RTOL, assert_losses_close, launch_worker, losses
+
+    common = [
+        "training.max_steps=3",
+        "training.device=cpu",
+        "training.warmup_steps=1",
+        "training.adam_eps=1e-6",  # as tests/test_distributed.py's TINY: smooth tiny updates
+        "data.validation_fraction=0.0",
+        "logging.log_every=1",
+        "logging.progress=plain",
+        "checkpoint.every_steps=null",
+        "checkpoint.export_hf=false",
+    ]
+    one, two = tmp_path / "one", tmp_path / "two"
+    train(load_recipe(QUICKSTART_VL, [*common, "training.micro_batch_size=4", f"output_dir={one}"]))
+    run = [*common, "training.micro_batch_size=2", "parallel.strategy=fsdp", f"output_dir={two}"]
+    launch_worker([{"recipe": str(QUICKSTART_VL), "overrides": run}], tmp_path)
+    assert_losses_close(losses(two), losses(one), FP32_RTOL)
+    assert_losses_close(losses(two, key="grad_norm"), losses(one, key="grad_norm"), FP32_RTOL)
+
+
+def test_fsdp_makes_each_vision_block_a_unit_of_its_own():
+    """In one gloo process (FSDP2 at world size 1): the vision blocks, the decoder layers and the
+    root are FSDP units; the vision tower's other modules belong to the root."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from ligertune.distributed.fsdp import FSDPRuntime
+    from ligertune.distributed.runtime import leave_process_groups
+    from ligertune.models.build import decoder_layers, vision_blocks
+
+    recipe = load_recipe(QUICKSTART_VL, ["parallel.strategy=fsdp", "training.device=cpu"])
+    model = build_model(recipe, torch.device("cpu"))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29500 + os.getpid() % 1000))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    blocks, layers = vision_blocks(model), decoder_layers(model)
+    assert len(blocks) == 2 and len(layers) == 2
+    try:
+        runtime = FSDPRuntime(recipe)
+        model = runtime._shard(model, recipe, runtime._shard_options(), trains=True)
+        assert all(isinstance(m, FSDPModule) for m in (*blocks, *layers, model))
+        assert not isinstance(model.model.visual.merger, FSDPModule)
+    finally:
+        leave_process_groups(synchronised=False)

@@ -12,7 +12,7 @@ from torch import nn
 from ligertune.catalog.strategies import FSDPParallel
 from ligertune.config import Recipe
 from ligertune.distributed.runtime import ProcessGroupRuntime, StateTransforms, has_frozen_parameters
-from ligertune.models.build import build_model, decoder_layers
+from ligertune.models.build import build_model, decoder_layers, vision_blocks
 from ligertune.run.safe_load import dcp_load
 
 
@@ -140,9 +140,10 @@ class FSDPRuntime(ProcessGroupRuntime):
         trains: bool,
         transforms: StateTransforms | None = None,
     ) -> nn.Module:
-        """``fully_shard`` on every decoder layer and then the root; a model built empty (sharded
-        init) gets its shards filled from rank 0's build of `recipe`, put through `transforms`
-        (a frozen model has none that change its parameters). *Collective.*
+        """``fully_shard`` on every vision block (a vision-language model), every decoder layer and
+        then the root; a model built empty (sharded init) gets its shards filled from rank 0's
+        build of `recipe`, put through `transforms` (a frozen model has none that change its
+        parameters). *Collective.*
 
         For a model that trains, the last decoder layer is never resharded after forward: its
         backward is the first, right after the forward ends, so freeing its weights would only
@@ -154,6 +155,11 @@ class FSDPRuntime(ProcessGroupRuntime):
         empty = any(p.is_meta for p in model.parameters())
         if not empty:
             model = model.to(self.device)
+        # The vision tower runs once, before the decoder: each block gathered for its forward (and
+        # its backward when the tower trains) and freed after, as the decoder layers are.
+        for block in vision_blocks(model):
+            fully_shard(block, **options)
+            self._reshards[block] = options["reshard_after_forward"]
         layers = decoder_layers(model)
         for index, layer in enumerate(layers):
             last = trains and index == len(layers) - 1

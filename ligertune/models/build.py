@@ -298,3 +298,12 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             ]
         )
     return layers
+
+
+def vision_blocks(model: nn.Module) -> list[nn.Module]:
+    """The vision tower's repeated blocks (the family's `VisionTower.block` class); none for a
+    text model or a family without a vision record."""
+    family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    if family is None or family.vision is None:
+        return []
+    return [m for m in model.modules() if type(m).__name__ == family.vision.block]
