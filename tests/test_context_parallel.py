@@ -20,7 +20,13 @@ import torch
 from ligertune.config import RecipeError, load_recipe
 from ligertune.data.formats import IGNORE_INDEX
 from ligertune.distributed.context import context_split, shard_rows
-from ligertune.models.attention import ContextSplit, zigzag_positions
+from ligertune.models.attention import (
+    ContextSplit,
+    document_ids,
+    gathered_order,
+    shard_mask,
+    zigzag_positions,
+)
 from ligertune.objectives.causal_lm import count_label_tokens
 from ligertune.training import train
 from ligertune.training.step import count_input_tokens
@@ -114,8 +120,51 @@ def test_shards_reassemble_the_row_and_count_each_token_once():
     assert sum(count_input_tokens(part) for part in parts) == count_input_tokens(batch)
 
 
+def _packed_rows() -> torch.Tensor:
+    """Position ids of two packed rows of 16: documents of 5, 7, 4 and of 16 tokens."""
+    first = torch.cat([torch.arange(5), torch.arange(7), torch.arange(4)])
+    return torch.stack([first, torch.arange(16)])
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_shard_masks_are_the_rows_causal_document_mask(shards):
+    """Each shard's rows of the mask, with its keys in gathered order, are the rows of the whole
+    sequence's causal same-document mask at the shard's original positions."""
+    positions = _packed_rows()
+    documents = document_ids(positions)
+    index = torch.arange(16)
+    whole = (index[:, None] >= index[None, :]) & (documents[:, :, None] == documents[:, None, :])
+    keys = gathered_order(16, shards)
+    for rank in range(shards):
+        queries = zigzag_positions(16, shards, rank)
+        mask = shard_mask(positions, shards, rank, flex=False)
+        assert mask.shape == (2, 1, 16 // shards, 16)
+        assert torch.equal(mask[:, 0], whole[:, queries][:, :, keys])
+
+
+def test_flex_block_mask_attends_as_the_dense_mask():
+    """FlexAttention under the shard's BlockMask (eager, on the CPU) computes what SDPA computes
+    under the dense mask, grouped-query heads included."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch.manual_seed(0)
+    positions = _packed_rows()
+    query = torch.randn(2, 4, 8, 16)
+    key, value = torch.randn(2, 2, 16, 16), torch.randn(2, 2, 16, 16)
+    for rank in range(2):
+        dense = shard_mask(positions, 2, rank, flex=False)
+        blocks = shard_mask(positions, 2, rank, flex=True)
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=dense, enable_gqa=True
+        )
+        got = flex_attention(query, key, value, block_mask=blocks, enable_gqa=True)
+        torch.testing.assert_close(got, expected)
+
+
 def test_world_size_must_be_a_multiple():
-    with pytest.raises(RecipeError, match="parallel.context_parallel: 4 does not divide the job's 6 processes"):
+    with pytest.raises(
+        RecipeError, match="parallel.context_parallel: 4 does not divide the job's 6 processes"
+    ):
         context_split(4, 6, 0)
 
 

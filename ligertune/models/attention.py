@@ -359,6 +359,11 @@ def zigzag_positions(length: int, shards: int, rank: int, device: torch.device |
     return torch.cat([head, tail])
 
 
+def gathered_order(length: int, shards: int, device: torch.device | None = None) -> torch.Tensor:
+    """[length] original index of each position of a `gather_sequence` result (rank by rank)."""
+    return torch.cat([zigzag_positions(length, shards, rank, device) for rank in range(shards)])
+
+
 @dataclass(frozen=True)
 class ContextSplit:
     """This rank's place in its context-parallel group: the group, its size and this rank's
@@ -367,10 +372,6 @@ class ContextSplit:
     group: dist.ProcessGroup
     shards: int
     rank: int
-
-    def gathered_positions(self, length: int, device: torch.device) -> torch.Tensor:
-        """[length] original index of each position of a `gather_sequence` result (rank by rank)."""
-        return torch.cat([zigzag_positions(length, self.shards, r, device) for r in range(self.shards)])
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -417,7 +418,9 @@ def context_parallel_problem(model: nn.Module) -> str | None:
     config = model.config
     family = FAMILIES.get(getattr(config, "model_type", None))
     if family is not None and family.experts is not None:
-        return f"{config.model_type} is a mixture-of-experts model (its router loss is a mean over each forward)"
+        return (
+            f"{config.model_type} is a mixture-of-experts model (its router loss is a mean over each forward)"
+        )
     if getattr(config, "vision_config", None) is not None:
         return f"{config.model_type} is a vision-language model"
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
@@ -437,30 +440,38 @@ def context_parallel_problem(model: nn.Module) -> str | None:
 def context_parallel_mask(
     split: ContextSplit, position_ids: torch.Tensor, flex: bool
 ) -> torch.Tensor | BlockMask:
-    """The mask of this shard's queries ``[B, S/N]`` against the gathered keys ``[B, S]`` (module
-    docstring): key index ≤ query index, same document. The document ids are those of the
-    whole row: the position ids are gathered (no gradient, a few kB), put back in the row's
-    order and cut into documents by `document_ids`, as for one process."""
-    local = position_ids.shape[1]
-    length = local * split.shards
-    device = position_ids.device
+    """The mask of this shard's queries against the gathered keys (`shard_mask`), from the
+    shard's position ids: the group's are gathered (no gradient, a few kB) and put back in the
+    row's order, so the documents are cut from the whole row as in one process."""
+    length = position_ids.shape[1] * split.shards
     pieces = [torch.empty_like(position_ids) for _ in range(split.shards)]
     dist.all_gather(pieces, position_ids.contiguous(), group=split.group)
-    key_index = split.gathered_positions(length, device)
-    row = torch.empty((position_ids.shape[0], length), dtype=position_ids.dtype, device=device)
-    row[:, key_index] = torch.cat(pieces, dim=1)
-    documents = document_ids(row)
-    query_index = zigzag_positions(length, split.shards, split.rank, device)
+    row = torch.empty((position_ids.shape[0], length), dtype=position_ids.dtype, device=position_ids.device)
+    row[:, gathered_order(length, split.shards, position_ids.device)] = torch.cat(pieces, dim=1)
+    return shard_mask(row, split.shards, split.rank, flex)
+
+
+def shard_mask(row_positions: torch.Tensor, shards: int, rank: int, flex: bool) -> torch.Tensor | BlockMask:
+    """The mask of shard `rank`'s queries ``[B, S/N]`` against the keys of all shards as
+    `gather_sequence` orders them ``[B, S]`` (module docstring), from the whole rows' position
+    ids ``[B, S]``: key index ≤ query index, same document (`document_ids`). A dense boolean
+    ``[B, 1, S/N, S]`` for SDPA, or with `flex` a `BlockMask` of the same predicate (compiled
+    on CUDA, where it is evaluated per tile without materialising the dense mask)."""
+    batch, length = row_positions.shape
+    device = row_positions.device
+    documents = document_ids(row_positions)
+    query_index = zigzag_positions(length, shards, rank, device)
+    key_index = gathered_order(length, shards, device)
     query_documents, key_documents = documents[:, query_index], documents[:, key_index]
     if not flex:
         causal = query_index[:, None] >= key_index[None, :]
         return (causal[None] & (query_documents[:, :, None] == key_documents[:, None, :]))[:, None]
 
-    def mask_mod(batch, head, q, kv):
-        return (query_index[q] >= key_index[kv]) & (query_documents[batch, q] == key_documents[batch, kv])
+    def mask_mod(b, head, q, kv):
+        return (query_index[q] >= key_index[kv]) & (query_documents[b, q] == key_documents[b, kv])
 
     return create_block_mask(
-        mask_mod, position_ids.shape[0], None, local, length, device=device, _compile=device.type == "cuda"
+        mask_mod, batch, None, len(query_index), length, device=device, _compile=device.type == "cuda"
     )
 
 
@@ -483,7 +494,13 @@ def context_parallel_attention(
     key, value = gather_sequence(split, key, 2), gather_sequence(split, value, 2)
     if isinstance(attention_mask, BlockMask):
         out = compile_friendly_flex_attention(
-            query, key, value, training=module.training, block_mask=attention_mask, scale=scaling, enable_gqa=True
+            query,
+            key,
+            value,
+            training=module.training,
+            block_mask=attention_mask,
+            scale=scaling,
+            enable_gqa=True,
         )
     else:
         out = F.scaled_dot_product_attention(

@@ -76,7 +76,9 @@ def context_parallel_problems(recipe: Recipe) -> list[str]:
             "parallel.context_parallel=1"
         )
     if recipe.model.freeze:
-        problems.append(f"{key}: vision-language models (model.freeze) are not split; use parallel.context_parallel=1")
+        problems.append(
+            f"{key}: vision-language models (model.freeze) are not split; use parallel.context_parallel=1"
+        )
     if recipe.model.attn_implementation not in CONTEXT_PARALLEL_BACKENDS:
         problems.append(
             f"model.attn_implementation: {recipe.model.attn_implementation} has no context-parallel form; use "
@@ -219,8 +221,6 @@ class ParallelOptions(Section):
         """Changes of the parallel setting that need less memory per GPU, mildest first: (what to
         tell the user, the `ligertune.plan.Setting` fields that change)."""
         return []
-
-
 
 
 def _dtype(element_bytes: int) -> str:

@@ -80,7 +80,10 @@ class DeepSpeedParallel(ParallelOptions):
         "fsdp run the recipe on the CPU without it"
     )
     package: ClassVar[str | None] = "deepspeed"
-    rules: ClassVar[tuple[Rule, ...]] = (*ParallelOptions.rules, Rule("parallel.deepspeed_options", options_agree))
+    rules: ClassVar[tuple[Rule, ...]] = (
+        *ParallelOptions.rules,
+        Rule("parallel.deepspeed_options", options_agree),
+    )
 
     def files(self) -> list[tuple[str, str]]:
         return [("parallel.deepspeed.config", self.deepspeed.config)] if self.deepspeed.config else []
