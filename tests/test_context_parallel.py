@@ -21,6 +21,7 @@ from ligertune.config import RecipeError, load_recipe
 from ligertune.data.formats import IGNORE_INDEX
 from ligertune.distributed.context import context_split, shard_rows
 from ligertune.models.attention import (
+    CONTEXT_PARALLEL_ATTENTION,
     ContextSplit,
     document_ids,
     gathered_order,
@@ -31,7 +32,7 @@ from ligertune.objectives.causal_lm import count_label_tokens
 from ligertune.training import train
 from ligertune.training.step import count_input_tokens
 from tests.helpers import QUICKSTART
-from tests.test_distributed import TINY, assert_losses_close, exported_weights, launch_worker, losses
+from tests.test_distributed import TINY, assert_losses_close, launch_worker, losses
 
 TWO_STEPS = [
     "training.max_steps=2",
@@ -50,7 +51,13 @@ QWEN3 = [
 # name → overrides of both arms: unpacked rows of varied length (each micro-batch padded to
 # its longest, then to a multiple of 4), packed rows of 63 tokens (padded by one).
 CASES = {
-    "ddp-unpacked": ["data.packing=false", "data.max_seq_len=150"],
+    "ddp-unpacked-lora-eval": [
+        "data.packing=false",
+        "data.max_seq_len=150",
+        "data.validation_fraction=0.05",
+        "training.eval_every=2",
+        "lora.r=4",
+    ],
     "fsdp-packed-flce": [
         "data.max_seq_len=63",
         "kernels.fused_linear_cross_entropy=true",
@@ -58,7 +65,7 @@ CASES = {
     ],
     "fsdp-qwen3-packed": ["data.max_seq_len=63", *QWEN3],
 }
-STRATEGY = {"ddp-unpacked": "ddp", "fsdp-packed-flce": "fsdp", "fsdp-qwen3-packed": "fsdp"}
+STRATEGY = {"ddp-unpacked-lora-eval": "ddp", "fsdp-packed-flce": "fsdp", "fsdp-qwen3-packed": "fsdp"}
 FP32_RTOL = 1e-5
 
 
@@ -76,14 +83,29 @@ def test_context_parallel_matches_one_process(tmp_path):
         one, cp = tmp_path / "one" / name, tmp_path / "cp" / name
         assert_losses_close(losses(cp), losses(one), FP32_RTOL, name)
         assert_losses_close(losses(cp, key="grad_norm"), losses(one, key="grad_norm"), FP32_RTOL, name)
-        ours, theirs = exported_weights(cp), exported_weights(one)
-        assert ours.keys() == theirs.keys()
+        ours, theirs = _exported(cp), _exported(one)
+        assert ours and ours.keys() == theirs.keys()
         for key, value in theirs.items():
             torch.testing.assert_close(ours[key], value, rtol=1e-4, atol=5e-6, msg=f"{name}: {key}")
-        assert "ligertune" not in (cp / "final" / "config.json").read_text()  # the backend name stays ours
+        for saved in (cp / "final").glob("*.json"):  # the backend's name stays in the process
+            assert CONTEXT_PARALLEL_ATTENTION not in saved.read_text(), saved
+    evaluated = tmp_path / "one" / "ddp-unpacked-lora-eval", tmp_path / "cp" / "ddp-unpacked-lora-eval"
+    assert losses(evaluated[0], "eval")
+    assert_losses_close(losses(evaluated[1], "eval"), losses(evaluated[0], "eval"), FP32_RTOL)
     # The fused loss ran on each shard: 2 ranks' calls, each with the whole lm_head weight.
     calls = json.loads((tmp_path / "cp" / "fsdp-packed-flce" / "flce-rank0.json").read_text())
     assert calls and all(shape == [2048, 64] for shape in calls)
+
+
+def _exported(run_dir) -> dict[str, torch.Tensor]:
+    """The final export's tensors: the whole model, or the LoRA adapter."""
+    from safetensors.torch import load_file
+
+    return {
+        key: value
+        for path in (run_dir / "final").glob("*.safetensors")
+        for key, value in load_file(path).items()
+    }
 
 
 def test_shards_reassemble_the_row_and_count_each_token_once():

@@ -490,7 +490,9 @@ def context_parallel_attention(
     ``[B, Hkv, S/N, D]``, gathered here to ``[B, Hkv, S, D]``; `attention_mask` is
     `context_parallel_mask`'s. Returns ``[B, S/N, Hq, D]``. Grouped-query heads are not repeated:
     SDPA and FlexAttention take ``enable_gqa``. The gathered K and V are the memory price of this
-    layer: 2·S·Hkv·D elements, kept for backward."""
+    layer: 2·S·Hkv·D elements, kept for backward. `dropout` is always 0 here
+    (`context_parallel_problem` refuses models with attention dropout), and the other keywords
+    transformers passes (sliding window, softcap) belong to the layer types it refuses too."""
     key, value = gather_sequence(split, key, 2), gather_sequence(split, value, 2)
     if isinstance(attention_mask, BlockMask):
         out = compile_friendly_flex_attention(
@@ -534,7 +536,9 @@ def install_context_parallel(model: nn.Module, split: ContextSplit) -> str:
         kwargs["attention_mask"] = context_parallel_mask(split, kwargs["position_ids"], flex)
         return args, kwargs
 
-    model.base_model.register_forward_pre_hook(hook, with_kwargs=True)
+    # The Hugging Face model's inner base model, also under peft's wrapper (LoRA).
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hf_model.base_model.register_forward_pre_hook(hook, with_kwargs=True)
     return (
         f"context parallel: every row split over {split.shards} ranks (head-and-tail chunks), "
         f"K and V all-gathered in every layer, {backend} against the whole row"
