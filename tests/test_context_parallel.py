@@ -202,3 +202,21 @@ def test_world_size_must_be_a_multiple():
 def test_refused_combinations_name_the_key(overrides, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe(QUICKSTART, ["parallel.context_parallel=2", *overrides])
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_flex_attention_and_nccl_on_two_gpus_match_one(tmp_path):
+    """The GPU path: FlexAttention under the compiled BlockMask, the reduce-scatter backward of
+    the K/V all-gather over NCCL, and every Triton kernel, on packed rows of 999 tokens; fp32
+    (TF32 off, torch's default), context_parallel 2 × fsdp against one GPU."""
+    common = TINY + TWO_STEPS
+    common += ["training.device=cuda", "model.attn_implementation=flex_attention", "data.max_seq_len=999"]
+    common += ["kernels=all"]
+    train(load_recipe(QUICKSTART, common + [f"output_dir={tmp_path / 'one'}"]))
+    split = ["parallel.strategy=fsdp", "parallel.context_parallel=2"]
+    launch_worker([common + split + [f"output_dir={tmp_path / 'cp'}"]], tmp_path)
+    one, cp = tmp_path / "one", tmp_path / "cp"
+    assert_losses_close(losses(cp), losses(one), 1e-4)
+    assert_losses_close(losses(cp, key="grad_norm"), losses(one, key="grad_norm"), 1e-4)

@@ -159,7 +159,8 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
             eval_loader = MicroBatchLoader(datasets.validation, eval_batch, shuffle=False, **loader_args)
         else:  # every rank must evaluate a batch; said at the start and in the summary
             eval_skipped = (
-                f"the validation split has {rows} row(s), fewer than the {runtime.data_world_size} data shards; "
+                f"the validation split has {rows} row(s), fewer than the {runtime.data_world_size} "
+                f"{'processes' if runtime.sequence_shards == 1 else 'data-parallel groups'}; "
                 "raise data.validation_fraction or use a larger data.validation_split"
             )
             if runtime.is_main:
