@@ -20,6 +20,7 @@ import torch
 from ligertune.config import RecipeError, load_recipe
 from ligertune.data.formats import IGNORE_INDEX
 from ligertune.distributed.context import context_split, shard_rows
+from ligertune.distributed.launch import LaunchError, LaunchOptions, check_options
 from ligertune.models.attention import (
     CONTEXT_PARALLEL_ATTENTION,
     ContextSplit,
@@ -184,6 +185,9 @@ def test_flex_block_mask_attends_as_the_dense_mask():
 
 
 def test_world_size_must_be_a_multiple():
+    recipe = load_recipe(QUICKSTART, ["parallel.strategy=ddp", "parallel.context_parallel=2"])
+    with pytest.raises(LaunchError, match="parallel.context_parallel: 2 does not divide the 3 processes"):
+        check_options(LaunchOptions(nproc_per_node=3), recipe)
     with pytest.raises(
         RecipeError, match="parallel.context_parallel: 4 does not divide the job's 6 processes"
     ):
