@@ -34,7 +34,7 @@ LAYERS: dict[str, set[str]] = {
     "tools": {"training", *_UNDER_TRAINING},
     "training": _UNDER_TRAINING,
     "objectives": {"lora", "patching", "data", "models", "catalog", "errors", "kernels"},
-    "distributed": {"models", "run", "config", "catalog", "errors"},
+    "distributed": {"models", "data", "run", "config", "catalog", "errors"},
     "lora": {"patching", "models", "errors"},
     "patching": {"models", "catalog", "errors", "kernels"},
     "data": {"config", "catalog", "errors", "paths", "files"},

@@ -108,8 +108,25 @@ def plan(
     if problems:
         raise RecipeError(problems)
     world = world_size or (2 if loaded.parallel.multi_process else 1)
+    shards = loaded.parallel.context_parallel
+    if world % shards:
+        raise RecipeError(
+            [
+                f"parallel.context_parallel: {shards} does not divide --nproc-per-node {world}; plan for a "
+                f"multiple of {shards} GPUs"
+            ]
+        )
     budget, target = gpu_bytes(gpu_memory)
     result = run_plan(loaded, world, budget, console, target)
+    if shards > 1:
+        # The plan (ligertune.plan) knows context parallelism only as S/N tokens per GPU.
+        console.print(
+            f"note: parallel.context_parallel {shards}: the plan counts the per-token tensors over "
+            f"{loaded.data.max_seq_len // shards} tokens per GPU but leaves out what context parallelism "
+            "adds: the K and V every attention layer all-gathers (2 × sequence × kv heads × head dim × "
+            "bytes per layer computing, and per layer kept for backward without checkpointing) and the "
+            "attention mask; it was not measured on a GPU (docs/distributed.md, Context parallelism)"
+        )
     if not result.fits:
         raise typer.Exit(2)
 

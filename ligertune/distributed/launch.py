@@ -104,6 +104,12 @@ def check_options(options: LaunchOptions, recipe: Recipe) -> None:
             f"{options.world_size} processes need a multi-process strategy; add parallel.strategy=ddp "
             "(or fsdp, deepspeed) to the recipe or the command line"
         )
+    shards = recipe.parallel.context_parallel
+    if options.world_size % shards:
+        raise LaunchError(
+            f"parallel.context_parallel: {shards} does not divide the {options.world_size} processes; use "
+            f"--nproc-per-node (× --nnodes) a multiple of {shards}, or a context_parallel that divides it"
+        )
     _check_gpus(options, recipe)
 
 

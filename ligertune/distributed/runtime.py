@@ -49,8 +49,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from ligertune.catalog.implements import Implements
 from ligertune.catalog.strategies import STRATEGIES, ParallelOptions, SingleProcess, writers
 from ligertune.config import Recipe
+from ligertune.distributed.context import context_split, shard_rows
 from ligertune.distributed.env import has_rendezvous, launched_as
 from ligertune.errors import RecipeError
+from ligertune.models.attention import ContextSplit, install_context_parallel
 from ligertune.models.build import build_model
 from ligertune.run.checkpoint import Checkpoint, write_full_state
 
@@ -76,6 +78,9 @@ class Runtime(Implements):
     # Whether `build_model` returns an empty (meta) model that `wrap` shards and then fills
     # (``parallel.sharded_init``; see `ligertune.distributed.fsdp`).
     sharded_init: bool = False
+    # The context-parallel group of this rank (``parallel.context_parallel`` > 1), else None:
+    # `ligertune.distributed.context`.
+    context: ContextSplit | None = None
 
     @classmethod
     def reading(cls, checkpoint_format: str) -> type[Runtime] | None:
@@ -114,6 +119,35 @@ class Runtime(Implements):
     def param_device(self) -> torch.device:
         """Where the parameters the optimizer updates live (the CPU when they are offloaded)."""
         return self.device
+
+    # -- the data's shards (context parallelism: `ligertune.distributed.context`) ----------
+
+    @property
+    def sequence_shards(self) -> int:
+        """Ranks each row is split over (``parallel.context_parallel``)."""
+        return self.context.shards if self.context is not None else 1
+
+    @property
+    def data_rank(self) -> int:
+        """Which shard of the data this rank loads: the ranks of a context-parallel group load
+        the same rows."""
+        return self.rank // self.sequence_shards
+
+    @property
+    def data_world_size(self) -> int:
+        """How many shards the data is cut into: one per context-parallel group."""
+        return self.world_size // self.sequence_shards
+
+    def split_attention(self, model: nn.Module) -> str | None:
+        """Route the model's attention through the context-parallel form over this rank's group
+        (`ligertune.models.attention.install_context_parallel`); the run log's line, or None
+        without context parallelism."""
+        return install_context_parallel(model, self.context) if self.context is not None else None
+
+    def shard_rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's part of a micro-batch of the data (every row whole, or this rank's
+        context-parallel shard of each)."""
+        return shard_rows(batch, self.context) if self.context is not None else batch
 
     # -- collectives ---------------------------------------------------------------------
 
@@ -308,10 +342,13 @@ class ProcessGroupRuntime(Runtime):
             else:  # a job of one process, without a launcher
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         super().__init__(device, dist.get_rank(), local_rank, dist.get_world_size())
-        # The job's ranks as a device mesh: one data-parallel dimension today. A parallel
-        # dimension on top of the strategy (context parallelism) is a second one here, and the
-        # engines that take a mesh (FSDP2) shard over its data-parallel part.
+        # The job's ranks as a device mesh, which FSDP2 shards over: all of them, also with
+        # context parallelism, whose groups (`ligertune.distributed.context`) are a second
+        # dimension of consecutive ranks; reducing gradients over the whole world sums the
+        # context-parallel ranks' shares too.
         self.mesh = init_device_mesh(device.type, (self.world_size,), mesh_dim_names=("data",))
+        if recipe.parallel.context_parallel > 1:
+            self.context = context_split(recipe.parallel.context_parallel, self.world_size, self.rank)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         tensor = tensor.clone()

@@ -49,6 +49,25 @@ Not covered (the hook is not installed, and transformers' own detection runs, wi
 synchronisation): flash-attention (it needs no mask), a model with bidirectional attention,
 and layer types other than full and sliding-window attention.
 
+**Context parallelism** (`install_context_parallel`, ``parallel.context_parallel: N``): every
+row of a micro-batch is cut into 2N equal chunks and rank r of a context-parallel group of N
+holds chunks r and 2N−1−r (`zigzag_positions`): under a causal mask the early chunks attend to
+few keys and the late ones to many, so each rank's pair costs the same work. The model computes
+on its shard with the original position ids (RoPE is right), and every attention layer
+all-gathers K and V over the group (`gather_sequence`: the backward of the all-gather is a
+reduce-scatter of the gradient, so each rank's K and V get the gradients of every rank's
+queries). The local queries then attend to all N·2 chunks under a mask in *original* positions:
+key index ≤ query index, and the same document for packed rows (the document ids come from the
+row's position ids, gathered once per forward). The gathered keys stay in the order the
+all-gather gives (rank by rank): softmax does not care about the order of the keys, and the mask
+is built in that order, which saves a reordering copy per layer. The mask is built once per
+forward in a pre-hook on the base model, like the document mask, and reaches the layers as an
+already prepared 4-D mask: a dense boolean ``[B, 1, S/N, S]`` for SDPA (the CPU reference; on a
+GPU its memory is S²/N bytes per row), a `BlockMask` over ``(S/N, S)`` for FlexAttention (which
+skips the tiles above the diagonal and between documents). The model's backend name becomes
+`CONTEXT_PARALLEL_ATTENTION`, under which this attention is registered with transformers'
+``AttentionInterface``.
+
 **Segments without causality** (`segment_mask`, `segment_attention`): a vision tower's
 patches are segments given by ``cu_seqlens`` (images, or Qwen2.5-VL's windows), each attending
 to all of itself and nothing else. One FlexAttention call over all of them, with the same
@@ -60,13 +79,18 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask
-from transformers import masking_utils
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
+from transformers import AttentionInterface, masking_utils
 from transformers.integrations.flex_attention import compile_friendly_flex_attention
+
+from ligertune.catalog.families import FAMILIES
+from ligertune.errors import RecipeError
 
 # Backends a recipe may name; ``auto`` picks one with `choose_attention`.
 ATTENTION_BACKENDS = ("sdpa", "eager", "flex_attention", "flash_attention_2")
@@ -313,3 +337,209 @@ def segment_attention(
         )
         return out[0, :, :length]
     return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Context parallelism (module docstring)
+# --------------------------------------------------------------------------------------------
+
+# The attention implementation a context-parallel model's config names (registered with
+# transformers' AttentionInterface by `install_context_parallel`).
+CONTEXT_PARALLEL_ATTENTION = "ligertune_context_parallel"
+
+
+def zigzag_positions(length: int, shards: int, rank: int, device: torch.device | None = None) -> torch.Tensor:
+    """The indices of a row of `length` tokens (a multiple of 2·`shards`) that shard `rank` holds,
+    in the order it holds them: chunk ``rank`` then chunk ``2·shards − 1 − rank`` of the row cut
+    into 2·shards chunks. Under a causal mask chunk c attends to c + 1 chunks of keys, so every
+    rank's pair attends to 2·shards + 1 chunks: the same work on every rank."""
+    chunk = length // (2 * shards)
+    head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    tail = torch.arange((2 * shards - 1 - rank) * chunk, (2 * shards - rank) * chunk, device=device)
+    return torch.cat([head, tail])
+
+
+def gathered_order(length: int, shards: int, device: torch.device | None = None) -> torch.Tensor:
+    """[length] original index of each position of a `gather_sequence` result (rank by rank)."""
+    return torch.cat([zigzag_positions(length, shards, rank, device) for rank in range(shards)])
+
+
+@dataclass(frozen=True)
+class ContextSplit:
+    """This rank's place in its context-parallel group: the group, its size and this rank's
+    index in it."""
+
+    group: dist.ProcessGroup
+    shards: int
+    rank: int
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along a dimension, differentiable. The gathered tensor feeds every rank's
+    loss, so the gradient of a rank's shard is the *sum* over ranks of the gathered gradient's
+    slice for that shard: a reduce-scatter (NCCL), or on gloo, which has none, an all-reduce of
+    which each rank keeps its slice. (``torch.distributed.nn.functional.all_gather`` does the
+    same, but is deprecated in torch 2.13, and on gloo its backward hands the collectives the
+    non-contiguous slices of a gradient gathered along an inner dimension, which gave wrong
+    K/V gradients here.)"""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: dist.ProcessGroup, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        pieces = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(pieces, tensor.contiguous(), group=group)
+        return torch.cat(pieces, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        if dist.get_backend(ctx.group) == dist.Backend.NCCL:
+            pieces = [piece.contiguous() for piece in grad.chunk(size, dim=ctx.dim)]
+            mine = torch.empty_like(pieces[rank])
+            dist.reduce_scatter(mine, pieces, group=ctx.group)
+            return mine, None, None
+        total = grad.contiguous()
+        dist.all_reduce(total, group=ctx.group)
+        return total.chunk(size, dim=ctx.dim)[rank].contiguous(), None, None
+
+
+def gather_sequence(split: ContextSplit, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+    """The group's shards of `tensor` concatenated along `dim`, rank by rank; its backward sums
+    every rank's gradient of the whole and hands each rank its slice (`_GatherSequence`)."""
+    return _GatherSequence.apply(tensor, split.group, dim)
+
+
+def context_parallel_problem(model: nn.Module) -> str | None:
+    """Why the context-parallel attention cannot run `model`, or None. The mask is one for every
+    layer (full causal attention), the loss and every other per-token term must be sums that
+    the shards add up (a mixture-of-experts router's balancing loss is a mean over the forward's
+    tokens, so each shard would weigh its own), and images are spliced into the sequence before
+    the first layer."""
+    config = model.config
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is not None and family.experts is not None:
+        return (
+            f"{config.model_type} is a mixture-of-experts model (its router loss is a mean over each forward)"
+        )
+    if getattr(config, "vision_config", None) is not None:
+        return f"{config.model_type} is a vision-language model"
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        return "the model attends bidirectionally"
+    layer_types = set(getattr(config, "layer_types", None) or ("full_attention",))
+    if layer_types != {"full_attention"} or (
+        getattr(config, "layer_types", None) is None and getattr(config, "sliding_window", None) is not None
+    ):
+        return "the model has sliding-window layers (only full causal attention is split)"
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        return "the model caps its attention logits (softcapping)"
+    if getattr(config, "attention_dropout", 0.0):
+        return "the model has attention dropout"
+    return None
+
+
+def context_parallel_mask(
+    split: ContextSplit, position_ids: torch.Tensor, flex: bool
+) -> torch.Tensor | BlockMask:
+    """The mask of this shard's queries against the gathered keys (`shard_mask`), from the
+    shard's position ids: the group's are gathered (no gradient, a few kB) and put back in the
+    row's order, so the documents are cut from the whole row as in one process."""
+    length = position_ids.shape[1] * split.shards
+    pieces = [torch.empty_like(position_ids) for _ in range(split.shards)]
+    dist.all_gather(pieces, position_ids.contiguous(), group=split.group)
+    row = torch.empty((position_ids.shape[0], length), dtype=position_ids.dtype, device=position_ids.device)
+    row[:, gathered_order(length, split.shards, position_ids.device)] = torch.cat(pieces, dim=1)
+    return shard_mask(row, split.shards, split.rank, flex)
+
+
+def shard_mask(row_positions: torch.Tensor, shards: int, rank: int, flex: bool) -> torch.Tensor | BlockMask:
+    """The mask of shard `rank`'s queries ``[B, S/N]`` against the keys of all shards as
+    `gather_sequence` orders them ``[B, S]`` (module docstring), from the whole rows' position
+    ids ``[B, S]``: key index ≤ query index, same document (`document_ids`). A dense boolean
+    ``[B, 1, S/N, S]`` for SDPA, or with `flex` a `BlockMask` of the same predicate (compiled
+    on CUDA, where it is evaluated per tile without materialising the dense mask)."""
+    batch, length = row_positions.shape
+    device = row_positions.device
+    documents = document_ids(row_positions)
+    query_index = zigzag_positions(length, shards, rank, device)
+    key_index = gathered_order(length, shards, device)
+    query_documents, key_documents = documents[:, query_index], documents[:, key_index]
+    if not flex:
+        causal = query_index[:, None] >= key_index[None, :]
+        return (causal[None] & (query_documents[:, :, None] == key_documents[:, None, :]))[:, None]
+
+    def mask_mod(b, head, q, kv):
+        return (query_index[q] >= key_index[kv]) & (query_documents[b, q] == key_documents[b, kv])
+
+    return create_block_mask(
+        mask_mod, batch, None, len(query_index), length, device=device, _compile=device.type == "cuda"
+    )
+
+
+def context_parallel_attention(
+    split: ContextSplit,
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | BlockMask | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: q ``[B, Hq, S/N, D]`` of this shard, k and v
+    ``[B, Hkv, S/N, D]``, gathered here to ``[B, Hkv, S, D]``; `attention_mask` is
+    `context_parallel_mask`'s. Returns ``[B, S/N, Hq, D]``. Grouped-query heads are not repeated:
+    SDPA and FlexAttention take ``enable_gqa``. The gathered K and V are the memory price of this
+    layer: 2·S·Hkv·D elements, kept for backward. `dropout` is always 0 here
+    (`context_parallel_problem` refuses models with attention dropout), and the other keywords
+    transformers passes (sliding window, softcap) belong to the layer types it refuses too."""
+    key, value = gather_sequence(split, key, 2), gather_sequence(split, value, 2)
+    if isinstance(attention_mask, BlockMask):
+        out = compile_friendly_flex_attention(
+            query,
+            key,
+            value,
+            training=module.training,
+            block_mask=attention_mask,
+            scale=scaling,
+            enable_gqa=True,
+        )
+    else:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def install_context_parallel(model: nn.Module, split: ContextSplit) -> str:
+    """Route every attention layer of `model` through `context_parallel_attention` over `split`,
+    with the mask built once per forward from the shard's position ids (a forward pre-hook on
+    the base model, as `install_document_mask`). Returns the run log's line. RecipeError when
+    the model cannot be split (`context_parallel_problem`) or its backend has no form here."""
+    problem = context_parallel_problem(model)
+    backend = model.config._attn_implementation
+    if problem is None and backend not in ("sdpa", "flex_attention"):
+        problem = f"attention {backend} has no context-parallel form (sdpa, flex_attention)"
+    if problem is not None:
+        raise RecipeError(
+            [f"parallel.context_parallel: {split.shards}: {problem}; use parallel.context_parallel=1"]
+        )
+    flex = backend == "flex_attention"
+
+    def attention(*args, **kwargs):
+        return context_parallel_attention(split, *args, **kwargs)
+
+    AttentionInterface.register(CONTEXT_PARALLEL_ATTENTION, attention)
+    model.config._attn_implementation = CONTEXT_PARALLEL_ATTENTION
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        kwargs["attention_mask"] = context_parallel_mask(split, kwargs["position_ids"], flex)
+        return args, kwargs
+
+    # The Hugging Face model's inner base model, also under peft's wrapper (LoRA).
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hf_model.base_model.register_forward_pre_hook(hook, with_kwargs=True)
+    return (
+        f"context parallel: every row split over {split.shards} ranks (head-and-tail chunks), "
+        f"K and V all-gathered in every layer, {backend} against the whole row"
+    )

@@ -49,6 +49,7 @@ from ligertune.objectives.base import Batch, Building, Objective, ObjectiveOutpu
 MODEL_INPUTS = (
     "input_ids",
     "labels",
+    "shift_labels",  # a context-parallel shard's targets, shifted before the split
     "position_ids",
     "attention_mask",
     "pixel_values",
@@ -58,9 +59,11 @@ MODEL_INPUTS = (
 )
 
 
-def count_label_tokens(labels: torch.Tensor) -> int:
-    """Tokens the causal-LM loss is computed on: labels shifted by one, minus ignored ones."""
-    return int((labels[:, 1:] != IGNORE_INDEX).sum())
+def count_label_tokens(batch: Batch) -> int:
+    """Tokens the causal-LM loss is computed on: labels shifted by one (or ``shift_labels``, a
+    context-parallel shard's targets, shifted before the split), minus ignored ones."""
+    targets = batch["shift_labels"] if "shift_labels" in batch else batch["labels"][:, 1:]
+    return int((targets != IGNORE_INDEX).sum())
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ class CausalLM(Objective):
         return cls(router_of(building.policy))
 
     def count(self, batch: Batch) -> int:
-        return count_label_tokens(batch["labels"])
+        return count_label_tokens(batch)
 
     def __call__(self, model: nn.Module, batch: Batch, num_items: torch.Tensor) -> ObjectiveOutput:
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}

@@ -73,7 +73,7 @@ class Distill(Objective):
         return cls(teacher, fused, **{k: getattr(options, k) for k in KERNEL_OPTIONS})
 
     def count(self, batch: Batch) -> int:
-        return count_label_tokens(batch["labels"])
+        return count_label_tokens(batch)
 
     def __call__(self, model: nn.Module, batch: Batch, num_items: torch.Tensor) -> ObjectiveOutput:
         if not self.fused:

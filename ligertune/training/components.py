@@ -91,6 +91,9 @@ def build(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> Compo
         f"{time.perf_counter() - started:.1f} s"
     )
     hf_model, reports = apply_transforms(model, recipe)
+    split = runtime.split_attention(hf_model)
+    if split is not None:
+        reports["context parallel"] = split
     started = time.perf_counter()
     wrapped, optimizer = runtime.wrap(
         hf_model, lambda module, where: build_optimizer(module, training, where), state_transforms(recipe)
@@ -134,8 +137,9 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
         seed=recipe.seed,
         pad_token_id=tokenizer.pad_token_id,
         packing=recipe.data.packing,
-        rank=runtime.rank,
-        world_size=runtime.world_size,
+        # The ranks of a context-parallel group load the same rows (`Runtime.data_rank`).
+        rank=runtime.data_rank,
+        world_size=runtime.data_world_size,
     )
     training = recipe.training
     # Preference/kto pairs collate into [2B, S] micro-batches (ligertune.data.preference), prompts
@@ -150,12 +154,13 @@ def build_data(recipe: Recipe, runtime: Runtime, log: Callable[[str], None]) -> 
         # batches. The loader leaves out rows that do not fill a last batch on every rank
         # (fewer than batch × world size rows).
         rows = len(datasets.validation)
-        eval_batch = min(training.micro_batch_size, rows // runtime.world_size)
+        eval_batch = min(training.micro_batch_size, rows // runtime.data_world_size)
         if eval_batch > 0:
             eval_loader = MicroBatchLoader(datasets.validation, eval_batch, shuffle=False, **loader_args)
         else:  # every rank must evaluate a batch; said at the start and in the summary
             eval_skipped = (
-                f"the validation split has {rows} row(s), fewer than the {runtime.world_size} processes; "
+                f"the validation split has {rows} row(s), fewer than the {runtime.data_world_size} "
+                f"{'processes' if runtime.sequence_shards == 1 else 'data-parallel groups'}; "
                 "raise data.validation_fraction or use a larger data.validation_split"
             )
             if runtime.is_main:

@@ -64,6 +64,8 @@ def forward_backward(
     results stay on the device until the caller reads them once.
     """
     device = runtime.device
+    # Each rank's part of the rows (its context-parallel shard of each): counted and trained on.
+    micro_batches = [runtime.shard_rows(b) for b in micro_batches]
     local_items = sum(objective.count(b) for b in micro_batches)
     n = runtime.all_reduce_sum(torch.tensor(local_items, device=device, dtype=torch.int64))
     # A window without a single item contributes zero loss and zero gradient.
@@ -78,7 +80,7 @@ def forward_backward(
         for name, value in out.metrics.items():
             metric_sums[name] = metric_sums.get(name, 0) + value.detach().double()
     local_counts = [
-        sum(count_label_tokens(b["labels"]) for b in micro_batches),
+        sum(count_label_tokens(b) for b in micro_batches),
         sum(count_input_tokens(b) for b in micro_batches),
     ]
     names = sorted(metric_sums)
@@ -109,6 +111,7 @@ def evaluate(
     for index, batch in enumerate(loader.iter_epoch(0)):
         if max_batches is not None and index >= max_batches:
             break
+        batch = runtime.shard_rows(batch)
         with autocast():
             out = objective(model, to_device(batch, device), one)
         count = torch.tensor(objective.count(batch), device=device, dtype=torch.float64)

@@ -114,7 +114,7 @@ class Trainer:
         torch.manual_seed(recipe.seed)
         self.parts = parts = build(recipe, runtime, self.log)
         self.checkpoints = CheckpointManager(recipe.run_dir / "checkpoints", recipe.checkpoint.keep_last)
-        self.order = data_order(recipe, runtime.world_size, parts.data.datasets.fingerprint)
+        self.order = data_order(recipe, runtime.data_world_size, parts.data.datasets.fingerprint)
         self.windows = Windows.of(parts, recipe, runtime.rank)
         resumed_message = self._resume()
         if runtime.is_main:

@@ -28,7 +28,7 @@ from ligertune.catalog.section import Section
 from ligertune.catalog.shape import ModelShape
 
 if TYPE_CHECKING:
-    pass
+    from ligertune.config.schema import Recipe
 
 # Bytes per element of a parameter as the optimizer holds it, by training.precision.
 WEIGHT_BYTES = {"bf16": 2, "bf16-mixed": 4, "fp32": 4}
@@ -37,6 +37,62 @@ WEIGHT_BYTES = {"bf16": 2, "bf16-mixed": 4, "fp32": 4}
 # line), a string refuses it and says why (`ligertune.training.resume`).
 ResumeRule = str | None
 PRECISION_SAVED = "the weights and optimizer state were saved for another precision"
+
+
+# The attention backends the context-parallel attention has a form for (`ligertune.models.attention`).
+CONTEXT_PARALLEL_BACKENDS = ("auto", "sdpa", "flex_attention")
+
+
+def context_parallel_problems(recipe: Recipe) -> list[str]:
+    """parallel.context_parallel > 1 needs a strategy that composes with it (ddp, fsdp), the sft objective on a text model, attention sdpa or flex_attention, and no training.compile.
+
+    Why each: one process has no ranks to split a sequence over, and DeepSpeed's engine is
+    untried with the per-layer all-gather; the preference, distillation and generating
+    objectives compute per-sequence log-probs (a sum over tokens that sit on several ranks) and
+    run frozen models the attention hook does not reach; images are spliced into the sequence
+    before the first layer, which the split would cut; eager and flash-attention have no form
+    of the attention here (flash-attention takes no mask over original positions); and
+    torch.compile of a decoder layer has not been tried with the all-gather inside it. The
+    model-side limits (mixture-of-experts router losses, sliding windows, softcapping) are
+    checked when the model is built (`ligertune.models.attention.context_parallel_problem`)."""
+    from ligertune.catalog.objectives.sft import SFTOptions
+
+    parallel = recipe.parallel
+    n = parallel.context_parallel
+    if n == 1:
+        return []
+    key = f"parallel.context_parallel: {n}"
+    problems = []
+    if not parallel.supports("context parallel"):
+        problems.append(
+            f"{key}: not supported with parallel.strategy {parallel.strategy} "
+            f"({parallel.unsupported['context parallel']}); use parallel.strategy ddp or fsdp, or "
+            "parallel.context_parallel=1"
+        )
+    if not isinstance(recipe.objective, SFTOptions):
+        problems.append(
+            f"{key}: objective.name {recipe.objective.name} is not supported with context parallelism (its "
+            "per-sequence log-probs and frozen models are not split); use objective.name sft, or "
+            "parallel.context_parallel=1"
+        )
+    if recipe.model.freeze:
+        problems.append(
+            f"{key}: vision-language models (model.freeze) are not split; use parallel.context_parallel=1"
+        )
+    if recipe.model.attn_implementation not in CONTEXT_PARALLEL_BACKENDS:
+        problems.append(
+            f"model.attn_implementation: {recipe.model.attn_implementation} has no context-parallel form; use "
+            f"{', '.join(CONTEXT_PARALLEL_BACKENDS)}, or parallel.context_parallel=1"
+        )
+    if recipe.training.compile:
+        problems.append(
+            f"training.compile: not tried with {key} (an all-gather inside every decoder layer); set "
+            "training.compile=false"
+        )
+    return problems
+
+
+CONTEXT_PARALLEL_RULE = Rule("parallel.context_parallel", context_parallel_problems)
 
 
 class ParallelOptions(Section):
@@ -49,6 +105,16 @@ class ParallelOptions(Section):
         "rank 0 (fsdp) or build it inside deepspeed.zero.Init (ZeRO-3), so no GPU holds the whole "
         "model; with lora, rank 0's copy gets the adapters through the same transform. auto: on for "
         "fsdp (without cpu_offload) and deepspeed stage 3; true elsewhere is an error.",
+    )
+
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="Context parallelism: split every sequence of a micro-batch over this many ranks "
+        "(load-balanced head-and-tail chunks; each layer all-gathers K and V over them). The job is a "
+        "data-parallel × context-parallel mesh: the world size must be a multiple of it, and the "
+        "ranks of a group (consecutive ranks) train the same rows. ddp and fsdp; sft on text models; "
+        "attention sdpa or flex_attention. 1: off.",
     )
 
     summary: ClassVar[str] = ""  # one line for the recipe reference
@@ -67,7 +133,8 @@ class ParallelOptions(Section):
     # objective that generates its completions with the policy while it trains), "graphed
     # generation" (that generation's decode step captured as a CUDA graph), "expert
     # adapters" (lora.target_parameters: peft's adapters on 3-D parameters), "eval.tasks"
-    # (lm-evaluation-harness on the trained model, which needs one process to hold all of it).
+    # (lm-evaluation-harness on the trained model, which needs one process to hold all of it),
+    # "context parallel" (``context_parallel`` > 1).
     unsupported: ClassVar[dict[str, str]] = {}
     # What running it on the CPU costs, when that is more than slowness: a warning at the start.
     cpu_warning: ClassVar[str | None] = None
@@ -75,7 +142,7 @@ class ParallelOptions(Section):
     # Whether its all-gather can carry the weights of torchao's float8 layers in float8 (with
     # ``training.fp8: tensorwise``): half the bytes of a bf16 gather.
     gathers_float8: ClassVar[bool] = False
-    rules: ClassVar[tuple[Rule, ...]] = ()
+    rules: ClassVar[tuple[Rule, ...]] = (CONTEXT_PARALLEL_RULE,)
 
     @classmethod
     def supports(cls, feature: str) -> bool:
@@ -110,7 +177,7 @@ class ParallelOptions(Section):
     def sequence_shards(self) -> int:
         """Ranks each sequence is split over (a context-parallel dimension); 1: every rank
         computes whole rows, and the plan counts every token of its micro-batch."""
-        return 1
+        return self.context_parallel
 
     # -- memory (per GPU, in bytes; `ligertune.plan` adds activations and temporaries) ----------
 

@@ -65,6 +65,7 @@ class DeepSpeedParallel(ParallelOptions):
     }
     resume_same_world_size: ClassVar[bool] = True  # one partition per rank
     unsupported: ClassVar[dict[str, str]] = {
+        "context parallel": "its engine is untried with an all-gather inside every layer",
         "lora": "its checkpoints hold every weight",
         "quantized": "quantised weights cannot be sharded",
         "fp8": "torchao's float8 layers are not tested under DeepSpeed",
@@ -79,7 +80,10 @@ class DeepSpeedParallel(ParallelOptions):
         "fsdp run the recipe on the CPU without it"
     )
     package: ClassVar[str | None] = "deepspeed"
-    rules: ClassVar[tuple[Rule, ...]] = (Rule("parallel.deepspeed_options", options_agree),)
+    rules: ClassVar[tuple[Rule, ...]] = (
+        *ParallelOptions.rules,
+        Rule("parallel.deepspeed_options", options_agree),
+    )
 
     def files(self) -> list[tuple[str, str]]:
         return [("parallel.deepspeed.config", self.deepspeed.config)] if self.deepspeed.config else []

@@ -86,6 +86,7 @@ class FSDPParallel(ParallelOptions):
     }
     gathers_float8: ClassVar[bool] = True  # torchao's float8 tensors implement FSDP2's all-gather hooks
     rules: ClassVar[tuple[Rule, ...]] = (
+        *ParallelOptions.rules,
         Rule("parallel.fsdp_cpu_offload_needs_gpu", cpu_offload_needs_gpu, "machine"),
     )
 

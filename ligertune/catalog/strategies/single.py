@@ -16,6 +16,9 @@ class SingleProcess(ParallelOptions):
     summary: ClassVar[str] = "one process, one device"
     label: ClassVar[str] = "one process"
     multi_process: ClassVar[bool] = False
+    unsupported: ClassVar[dict[str, str]] = {
+        "context parallel": "one process has no ranks to split a sequence over"
+    }
 
     def memory_fixes(self, precision: str, world_size: int) -> list[tuple[str, dict]]:
         return [shard_with_fsdp(world_size)]

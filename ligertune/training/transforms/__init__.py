@@ -62,7 +62,8 @@ def _attention(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
         recipe.model.attn_implementation, runs_on_cuda(recipe), recipe.data.packing, model.config
     )
     report = f"attention: {model.config._attn_implementation} ({why})"
-    if recipe.data.packing:
+    # With context parallelism the runtime's attention builds the mask, documents included.
+    if recipe.data.packing and recipe.parallel.context_parallel == 1:
         report += f"; {install_document_mask(model)}"
     return model, report
 
