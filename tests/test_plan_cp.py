@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ligertune.catalog.shape import ModelShape
-from ligertune.catalog.strategies import DDPParallel, FSDPParallel
+from ligertune.catalog.strategies import FSDPParallel
 from ligertune.config import load_recipe
 from ligertune.plan.choose import cheapest_fix
 from ligertune.plan.estimate import estimate
@@ -18,7 +18,7 @@ OURS = frozenset({"rms_norm", "rope", "swiglu", "fused_linear_cross_entropy"})
 
 # A Llama-3-8B-like shape, written out (no model build).
 L, H, HEADS, KV, D, I, V = 32, 4096, 32, 8, 128, 14336, 128256  # noqa: E741
-LAYER = 4 * H * H // 4 * 2 + 2 * H * KV * D + 3 * H * I + 2 * H  # q, o; k, v; MLP; two norms
+LAYER = 2 * H * HEADS * D + 2 * H * KV * D + 3 * H * I + 2 * H  # q, o; k, v; MLP; two norms
 SHAPE = ModelShape(
     layers=L,
     hidden=H,
@@ -141,10 +141,11 @@ def test_context_parallelism_is_proposed_for_a_long_row_that_fits_nowhere():
     # sdpa's dense mask (16 GiB a GPU at N = 4, 48 GiB while it is built) costs more than flex's.
     sdpa4 = replace(smallest, parallel=fsdp(4), attention="sdpa")
     assert estimate(SHAPE, sdpa4).peak > estimate(SHAPE, replace(smallest, parallel=fsdp(4))).peak
-    # A row half as long fits with N = 2: the smallest N is proposed.
-    half = setting(seq // 2, 1, "flex_attention")
-    if not estimate(SHAPE, replace(half, checkpointing="full")).fits(gpu):
-        assert cheapest_fix(SHAPE, half, gpu) == "parallel.context_parallel=2"
+    # Eight GPUs: FSDP2 shards the states over 8, and N = 2 is then the smallest that fits.
+    eight = replace(smallest, world_size=8)
+    assert not estimate(SHAPE, eight).fits(gpu)
+    assert estimate(SHAPE, replace(eight, parallel=fsdp(2))).fits(gpu)
+    assert cheapest_fix(SHAPE, replace(flex, world_size=8), gpu) == "parallel.context_parallel=2"
 
 
 def test_context_parallelism_is_not_proposed_where_it_cannot_run():
