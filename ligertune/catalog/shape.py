@@ -62,6 +62,10 @@ class ModelShape:
     # LoRA's frozen base, weights without gradients or AdamW moments.
     frozen_params: int = 0
     vision: VisionShape | None = None  # a vision-language model's vision tower
+    # Why context parallelism cannot split this model's rows (mixture of experts, sliding
+    # windows, softcapping, attention dropout, images: `ligertune.models.attention.context_parallel_problem`),
+    # or None. The memory plan proposes ``parallel.context_parallel`` only where it is None.
+    row_split_problem: str | None = None
 
     @property
     def trainable(self) -> int:

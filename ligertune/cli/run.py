@@ -119,13 +119,10 @@ def plan(
     budget, target = gpu_bytes(gpu_memory)
     result = run_plan(loaded, world, budget, console, target)
     if shards > 1:
-        # The plan (ligertune.plan) knows context parallelism only as S/N tokens per GPU.
         console.print(
-            f"note: parallel.context_parallel {shards}: the plan counts the per-token tensors over "
-            f"{loaded.data.max_seq_len // shards} tokens per GPU but leaves out what context parallelism "
-            "adds: the K and V every attention layer all-gathers (2 × sequence × kv heads × head dim × "
-            "bytes per layer computing, and per layer kept for backward without checkpointing) and the "
-            "attention mask; it was not measured on a GPU (docs/distributed.md, Context parallelism)"
+            f"note: parallel.context_parallel {shards}: the plan's context-parallel terms (a shard of "
+            "each row, the gathered K and V, the attention mask) are not measured on a GPU yet "
+            "(docs/distributed.md, Context parallelism)"
         )
     if not result.fits:
         raise typer.Exit(2)

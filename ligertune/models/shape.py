@@ -16,6 +16,7 @@ from torch import nn
 from ligertune.catalog.families import FAMILIES
 from ligertune.catalog.shape import ModelShape, VisionShape
 from ligertune.errors import RecipeError
+from ligertune.models.attention import context_parallel_problem
 from ligertune.models.build import build_model, decoder_layers, frozen_parameters, tokens_per_image
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ def model_shape(model: nn.Module, lora_params: int = 0) -> ModelShape:
         embed_params=embed.numel(),
         head_params=0 if head_weight is embed else head_weight.numel(),
         lora_params=lora_params,
+        row_split_problem=context_parallel_problem(model),
         **moe,
     )
 

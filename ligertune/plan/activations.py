@@ -69,14 +69,25 @@ def layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
     """What autograd saves for one decoder layer, per token (see the module docstring)."""
     ea, k = compute_bytes(s), s.kernels
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    kv_attn = kv if s.gqa_native else q  # repeat_kv expands k and v before sdpa
     saved = _norm_saved("input_layernorm", shape, s, "rms_norm" in k, True, "attention")
     # RoPE, eager or ours, saves only cos and sin (once per model): q·cos needs cos for q's
     # gradient, and cos needs none.
+    if s.shards > 1:
+        # Context parallelism: the attention keeps the K and V it gathered over the whole row,
+        # at the key/value heads (``enable_gqa``); the shard's own k and v are saved by nothing.
+        keys = [
+            Saved("attention: k gathered over the row (context parallel)", kv, ea, "attention", True),
+            Saved("attention: v gathered over the row (context parallel)", kv, ea, "attention", True),
+        ]
+    else:
+        kv_attn = kv if s.gqa_native else q  # repeat_kv expands k and v before sdpa
+        keys = [
+            Saved("attention: k", kv_attn, ea, "attention"),
+            Saved("attention: v", kv_attn, ea, "attention"),
+        ]
     saved += [
         Saved("attention: q", q, ea, "attention"),
-        Saved("attention: k", kv_attn, ea, "attention"),
-        Saved("attention: v", kv_attn, ea, "attention"),
+        *keys,
         Saved("attention: output (o_proj's input)", q, ea, "attention"),
         Saved("attention: log-sum-exp", shape.heads, 4, "attention"),
     ]
@@ -125,8 +136,14 @@ def recomputed_bytes(shape: ModelShape, s: Setting) -> int:
     saved = layer_saved(shape, s)
     if not s.whole_layers:
         saved = [t for t in saved if t.module in s.modules]
-    return sum(t.bytes(s.tokens) for t in saved)
+    return sum(saved_bytes(t, s) for t in saved)
 
+
+# The activations' part that lives until the end of the backward (`estimate` counts it there too).
+CONTEXT_PARALLEL_MASK = "context-parallel attention mask (the whole step)"
+
+# FlexAttention's tile (`ligertune.models.attention.FLEX_BLOCK`, which imports torch).
+FLEX_BLOCK = 128
 
 # The loss head's tensors (`model_saved`): one per token that reaches the loss (`Setting.head_tokens`).
 HEAD = "loss head"
@@ -134,8 +151,11 @@ HEAD = "loss head"
 
 def saved_bytes(t: Saved, s: Setting) -> int:
     """A saved tensor's bytes in setting `s`: over the loss head's tokens for the head's own
-    tensors, over every token of the micro-batch for the rest."""
-    return t.bytes(s.head_tokens if t.module == HEAD else s.tokens)
+    tensors, over the whole rows for a `Saved.whole_row` one, over this GPU's tokens of the
+    micro-batch for the rest."""
+    if t.module == HEAD:
+        return t.bytes(s.head_tokens)
+    return t.bytes(s.rows * s.row_len if t.whole_row else s.tokens)
 
 
 def model_saved(shape: ModelShape, s: Setting) -> list[Saved]:
@@ -238,10 +258,55 @@ def loss_temporary_bytes(shape: ModelShape, s: Setting) -> int:
 
 
 def layer_backward_bytes(shape: ModelShape, s: Setting) -> int:
-    """Working set of one decoder layer's backward: gradients of its largest activations."""
+    """Working set of one decoder layer's backward: gradients of its largest activations, and
+    under context parallelism the gradients of the gathered K and V (`gathered_kv_gradient_bytes`)."""
     ea = compute_bytes(s)
     gated = 1 if {"swiglu", "geglu"} & s.kernels else 2  # the fused kernel overwrites gate/up
-    return s.tokens * (gated * shape.intermediate + 4 * shape.hidden) * ea
+    own = s.tokens * (gated * shape.intermediate + 4 * shape.hidden) * ea
+    return own + gathered_kv_gradient_bytes(shape, s)
+
+
+def gathered_kv_gradient_bytes(shape: ModelShape, s: Setting) -> int:
+    """Context parallelism: the attention's backward returns the gradients of the K and V it
+    gathered, over the whole rows (the reduce-scatter's input: every rank's queries' share of
+    every rank's keys), while the gathered K and V it saved are still alive (counted with the
+    layer's saved or recomputed tensors). Each gradient is then cut into contiguous pieces for
+    the reduce-scatter (a copy of one gradient at a time, after the attention's saved tensors
+    are freed: less than this moment). 0 without context parallelism."""
+    if s.shards == 1:
+        return 0
+    return 2 * s.rows * s.row_len * shape.kv_heads * shape.head_dim * compute_bytes(s)
+
+
+def context_parallel_mask_bytes(s: Setting) -> int:
+    """The context-parallel attention mask (`ligertune.models.attention.shard_mask`), built once
+    per forward in a pre-hook on the base model and alive until the first layer's backward is
+    done (every layer's attention, and a checkpointed layer's saved inputs, refer to it): for
+    sdpa a dense boolean ``[rows, 1, S/N, S]`` (1 byte an element); for flex_attention a
+    `BlockMask` over ``(S/N, S)`` in 128-token tiles: four int32 index tensors ``[rows, 1,
+    tiles, tiles]`` (the key tiles of each query tile, partial and full, and their transposes
+    for the backward), their four int32 counts, and the mask predicate's int64 vectors (query
+    and key positions, their document ids). 0 without context parallelism."""
+    n, rows, q, k = s.shards, s.rows, s.shard_len, s.row_len
+    if n == 1:
+        return 0
+    if s.attention != "flex_attention":
+        return rows * q * k
+    q_tiles, k_tiles = -(-q // FLEX_BLOCK), -(-k // FLEX_BLOCK)
+    indices = 4 * rows * q_tiles * k_tiles * 4
+    counts = 2 * rows * (q_tiles + k_tiles) * 4
+    predicate = (q + k) * 8 + rows * (q + k) * 8
+    return indices + counts + predicate
+
+
+def context_parallel_mask_build_bytes(s: Setting) -> int:
+    """What building sdpa's dense mask holds at once, at the start of the forward: the causal
+    comparison ``[S/N, S]``, the same-document comparison ``[rows, S/N, S]`` and their product
+    (the mask), all boolean. FlexAttention's `BlockMask` is built tile by tile (compiled on a
+    GPU): nothing dense. 0 without context parallelism or with flex."""
+    if s.shards == 1 or s.attention == "flex_attention":
+        return 0
+    return (1 + 2 * s.rows) * s.shard_len * s.row_len
 
 
 def activation_bytes(shape: ModelShape, s: Setting) -> dict[str, int]:
@@ -261,7 +326,7 @@ def activation_bytes(shape: ModelShape, s: Setting) -> dict[str, int]:
             checkpointed * n * shape.hidden * stream_bytes(s)
         )
     elif checkpointed:
-        each = sum(t.bytes(n) for t in checkpointed_layer_saved(shape, s))
+        each = sum(saved_bytes(t, s) for t in checkpointed_layer_saved(shape, s))
         kept.append(
             (f"{checkpointed} layers recomputing {', '.join(s.modules)} × {each / GIB:.2f} GiB", each)
         )
@@ -282,9 +347,12 @@ def activation_bytes(shape: ModelShape, s: Setting) -> dict[str, int]:
     fixed = head_fixed_bytes(shape, s)
     if fixed:
         parts["fused CE: lm_head gradient"] = fixed
+    mask = context_parallel_mask_bytes(s)
+    if mask:
+        parts[CONTEXT_PARALLEL_MASK] = mask
     return parts
 
 
 def layer_activation_bytes(shape: ModelShape, s: Setting) -> int:
     """What one decoder layer not checkpointed saves."""
-    return sum(t.bytes(s.tokens) for t in layer_saved(shape, s))
+    return sum(saved_bytes(t, s) for t in layer_saved(shape, s))

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from ligertune.catalog.shape import ModelShape
-from ligertune.plan.activations import layer_saved
+from ligertune.plan.activations import layer_saved, saved_bytes
 from ligertune.plan.estimate import estimate
 from ligertune.plan.setting import GIB, HEADROOM_FRACTION, Breakdown, Setting, checkpointed_layers
 
@@ -88,7 +88,7 @@ def offload_slowdown(shape: ModelShape, s: Setting) -> float:
     passes, and the layer takes ~1.7× as long; the 1B shape's layers, whose saved bytes shrink
     more slowly than their work, take ~3.3× as long. What a sub-module checkpoint recomputes is not offloaded (only its
     input is saved)."""
-    saved = sum(t.per_token * t.bytes_per_element for t in layer_saved(shape, s) if t.module not in s.modules)
+    saved = sum(saved_bytes(t, s) for t in layer_saved(shape, s) if t.module not in s.modules) / s.tokens
     compute = 6 * shape.layer_active_params / ACHIEVED_FLOPS
     copy = saved / PCIE_BYTES_PER_S
     return (max(compute / 3, copy) + max(2 * compute / 3, copy)) / compute - 1
@@ -139,10 +139,26 @@ OUR_KERNELS = frozenset({"rms_norm", "rope", "swiglu", "fused_linear_cross_entro
 LORA_SHARE = 0.005
 
 
+def context_parallel_sizes(shape: ModelShape, base: Setting) -> list[int]:
+    """The ``parallel.context_parallel`` values that could split the recipe's rows over its GPUs,
+    smallest first: the divisors of the world size above the recipe's own, where the recipe
+    (strategy ddp or fsdp, sft, attention sdpa or flex_attention: `Setting.context_parallel_problems`)
+    and the model (`ModelShape.row_split_problem`) allow it; none otherwise."""
+    if base.context_parallel_problems or shape.row_split_problem is not None:
+        return []
+    return [n for n in range(base.shards + 1, base.world_size + 1) if base.world_size % n == 0]
+
+
 def cheapest_fix(shape: ModelShape, base: Setting, gpu_bytes: int) -> str:
     """What would make a recipe that fits in no setting fit: the first change, in order of how
-    little it changes the training (same math first: kernels, sharding, offload; then numerics,
-    data, and what is trained), whose smallest setting (micro-batch 1, full checkpointing) fits."""
+    little it changes the training (same math first: kernels; context parallelism, the smallest
+    N that fits, on the same GPUs; sharding, offload; then numerics, data, and what is trained),
+    whose smallest setting (micro-batch 1, full checkpointing) fits.
+
+    Context parallelism is only proposed, never applied by ``auto``: it changes the run's
+    process layout (data-parallel groups, what each rank loads), which is the recipe's to say.
+    It comes before shortening the rows, which changes what is trained, and before asking for
+    more GPUs; its all-gathers cost time (docs/distributed.md)."""
     smallest = replace(base, micro_batch_size=1, checkpointing="full", modules=(), offload=False)
     fixes: list[tuple[str, Setting, ModelShape]] = []
 
@@ -155,6 +171,11 @@ def cheapest_fix(shape: ModelShape, base: Setting, gpu_bytes: int) -> str:
     # mixture of experts only: a dense recipe is never told to turn it on.
     if shape.experts and "moe_experts" not in base.kernels:
         fix("kernels.moe_experts=true", replace(smallest, kernels=smallest.kernels | {"moe_experts"}))
+    for n in context_parallel_sizes(shape, base):
+        fix(
+            f"parallel.context_parallel={n}",
+            replace(smallest, parallel=base.parallel.model_copy(update={"context_parallel": n})),
+        )
     for text, changes in base.parallel.memory_fixes(base.precision, base.world_size):
         fix(text, replace(smallest, **changes))
     if base.precision != "bf16" and base.parallel.supports("bf16 weights"):

@@ -77,6 +77,21 @@ precomputed one lives in the data.
 
 Activations (what autograd saves, tensor by tensor) are counted in `ligertune.plan.activations`.
 
+Context parallelism (``parallel.context_parallel: N``, `Setting.shards`) changes the activations
+and temporaries only; the model states are the strategy's over the whole world, as without it.
+Every per-token count is of this GPU's shard of each row (2 chunks of S/(2N) tokens, the row
+padded to a multiple of 2N). On top, what `ligertune.models.attention` allocates: each
+attention layer gathers K and V over the whole row, ``2 · S · kv_heads · head_dim`` elements,
+and keeps them for its backward instead of the shard's own (`activations.layer_saved`: in every
+layer not checkpointed, and in the layer being recomputed); its backward holds their
+whole-row gradients, the reduce-scatter's input (`activations.gathered_kv_gradient_bytes`,
+in the backward working set); and one mask serves every layer from the forward's pre-hook to
+the first layer's backward (`activations.context_parallel_mask_bytes`: sdpa's dense boolean
+``[S/N, S]`` per row, or flex's BlockMask), counted at every moment. Building sdpa's mask holds
+three dense booleans at once before the first layer, a moment of its own. The all-gather's
+transient pieces (one tensor's N shards next to their concatenation, during a layer's forward
+or recomputation) come before that layer's backward peak and are smaller than it.
+
 Dtypes: the *compute* dtype (matmul outputs: bf16 unless fp32) and the *stream* dtype (the
 residual stream between layers: fp32 for fp32, and for bf16-mixed where autocast alone
 casts, i.e. without FSDP2's or DeepSpeed's bf16 parameters; bf16 otherwise).
@@ -125,6 +140,11 @@ Assumptions (what the GPU check, ``scripts/gpu_plan_accuracy.sh``, validates)
   to backward; gradients are reduced in fp32 through a layer-sized buffer. DeepSpeed: ZeRO-1/2/3
   with bf16 module weights and fp32 master weights and moments in the optimizer; ZeRO-3
   prefetches about one layer ahead.
+- Context parallelism: the terms above are read from the code, not measured on a GPU. SDPA
+  may turn the boolean mask into an additive one in the compute dtype inside each call, which
+  some of its kernels keep for backward: not counted (long rows should use flex_attention, whose
+  mask is small). ``auto`` attention is read as flex_attention for packed rows and sdpa for
+  padded ones (a GPU without flash-attn, which context parallelism refuses).
 - The caching allocator's fragmentation is not modelled: a fixed headroom fraction of the GPU
   is kept free (`HEADROOM_FRACTION`) when deciding what fits.
 """
@@ -136,7 +156,9 @@ from dataclasses import replace
 from ligertune.catalog.shape import ModelShape
 from ligertune.kernels.chunking import DEFAULT_MEMORY_BUDGET_BYTES, chunk_rows
 from ligertune.plan.activations import (
+    CONTEXT_PARALLEL_MASK,
     activation_bytes,
+    context_parallel_mask_build_bytes,
     head_path,
     layer_activation_bytes,
     layer_backward_bytes,
@@ -274,8 +296,16 @@ def estimate(shape: ModelShape, s: Setting) -> Breakdown:
     b.moments = {
         "loss (end of forward)": states + saved + loss,
         "start of backward": states + saved + head_grad + backward,
-        "end of backward": states + grads + backward + sum(reduction.values()),
+        "end of backward": states
+        + grads
+        + backward
+        + sum(reduction.values())
+        + b.activations.get(CONTEXT_PARALLEL_MASK, 0),
     }
+    build = context_parallel_mask_build_bytes(s)
+    if build:  # the pre-hook, before the first layer: nothing saved yet, no gradients
+        b.temporaries["context-parallel mask being built (start of the forward)"] = build
+        b.moments["context-parallel mask built (start of the forward)"] = states + build
     if s.frozen is not None and s.frozen_role == "reference":
         # Before the policy's forward (its activations not yet alive), no gradients (as at the
         # loss): the reference's log-probs under no_grad, one layer at a time, then its head.

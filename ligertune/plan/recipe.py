@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from ligertune.catalog.formats import PAIR_FORMATS
 from ligertune.catalog.shape import ModelShape
+from ligertune.catalog.strategies.base import context_parallel_problems as rule_problems
 from ligertune.plan.setting import Setting
 
 if TYPE_CHECKING:
@@ -26,6 +27,25 @@ def native_gqa(recipe: Recipe) -> bool:
     transformers' sdpa path does only without a mask (`use_gqa_in_sdpa`), and unpacked rows are
     padded, so there it expands them with ``repeat_kv`` first (packed rows go to flex on CUDA)."""
     return recipe.data.packing or recipe.model.attn_implementation in ("flash_attention_2", "flex_attention")
+
+
+def gpu_attention(recipe: Recipe) -> str:
+    """The attention backend the run uses on a GPU: the recipe's, or for ``auto`` flex_attention
+    with packed rows and sdpa with padded ones (`ligertune.models.attention.choose_attention` on a
+    GPU without the flash-attn package, which context parallelism has no form for)."""
+    backend = recipe.model.attn_implementation
+    if backend != "auto":
+        return backend
+    return "flex_attention" if recipe.data.packing else "sdpa"
+
+
+def context_parallel_problems(recipe: Recipe) -> tuple[str, ...]:
+    """Why the recipe could not split its rows over ranks: the catalog's rule for
+    ``parallel.context_parallel`` (`ligertune.catalog.strategies.base.context_parallel_problems`)
+    at the recipe's own value, or at 2 when it has none."""
+    n = max(2, recipe.parallel.context_parallel)
+    split = recipe.model_copy(update={"parallel": recipe.parallel.model_copy(update={"context_parallel": n})})
+    return tuple(rule_problems(split))
 
 
 def rows_per_sample(recipe: Recipe) -> int:
@@ -62,6 +82,8 @@ def base_setting(recipe: Recipe, world_size: int, frozen: ModelShape | None = No
         frozen_role=held.role if (held := recipe.objective.frozen_model(recipe)) else "reference",
         generated_tokens=recipe.objective.generated_tokens(),
         accumulation=recipe.training.gradient_accumulation_steps,
+        attention=gpu_attention(recipe),
+        context_parallel_problems=context_parallel_problems(recipe),
     )
 
 

@@ -51,12 +51,37 @@ class Setting:
     # Micro-batches per optimizer step (gradient accumulation): an objective that generates does
     # it for the whole window at once.
     accumulation: int = 1
+    # The attention backend on the GPU (`ligertune.plan.recipe.gpu_attention`): under context
+    # parallelism it decides the mask's form (a dense boolean for sdpa, a BlockMask for flex).
+    attention: str = "sdpa"
+    # Why the recipe could not run with ``parallel.context_parallel`` > 1 (the catalog's rule:
+    # its strategy, objective, attention backend, compile), empty when it could; the plan
+    # proposes context parallelism only then.
+    context_parallel_problems: tuple[str, ...] = ()
+
+    @property
+    def shards(self) -> int:
+        """Ranks each row is split over (``parallel.context_parallel``; 1: whole rows)."""
+        return self.parallel.sequence_shards()
+
+    @property
+    def shard_len(self) -> int:
+        """Tokens of one row on one GPU: the whole row, or under context parallelism 2 chunks of
+        the row padded to a multiple of 2N (`ligertune.distributed.context.shard_rows`)."""
+        n = self.shards
+        return self.seq_len if n == 1 else 2 * -(-self.seq_len // (2 * n))
+
+    @property
+    def row_len(self) -> int:
+        """Tokens of one whole row as the attention sees it: `seq_len`, or padded to a multiple
+        of 2N under context parallelism (the length of the gathered K and V)."""
+        return self.shard_len * self.shards
 
     @property
     def tokens(self) -> int:
         """Tokens of one micro-batch on one GPU: every row is ``seq_len`` long, a pair is two
-        rows, and a strategy that splits sequences over ranks leaves each its share."""
-        return self.micro_batch_size * self.rows_per_sample * self.seq_len // self.parallel.sequence_shards()
+        rows, and context parallelism leaves each rank its shard of every row."""
+        return self.rows * self.shard_len
 
     @property
     def rows(self) -> int:
@@ -68,7 +93,7 @@ class Setting:
         """Tokens whose hidden states reach the loss at the lm_head: every token, but for the
         ``policy`` head only the generated completions' (`ligertune.objectives.logps.completion_forward`)."""
         if self.loss_head == "policy":
-            return self.rows * self.generated_tokens // self.parallel.sequence_shards()
+            return self.rows * self.generated_tokens // self.shards
         return self.tokens
 
     @property
@@ -101,12 +126,14 @@ class Saved:
     """One tensor autograd saves, per token: elements and bytes per element, and the decoder
     layer's sub-module whose operations save it (``attention``, ``mlp``; None: the layer's own,
     as the norms'), or for the tensors outside the layers ``loss head`` (`activations.HEAD`:
-    counted over the tokens that reach the loss)."""
+    counted over the tokens that reach the loss). `whole_row`: counted over the whole rows, not
+    this GPU's shard of them (the K and V a context-parallel attention gathers)."""
 
     name: str
     per_token: int
     bytes_per_element: int
     module: str | None = None
+    whole_row: bool = False
 
     def bytes(self, tokens: int) -> int:
         return tokens * self.per_token * self.bytes_per_element
