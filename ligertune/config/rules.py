@@ -209,7 +209,7 @@ def _supporting(feature: str) -> str:
 
 @rule("parallel.supports")
 def _strategy_supports(recipe: Recipe) -> list[str]:
-    """The parallel strategy trains what the recipe asks: LoRA adapters (on the experts too), quantised weights, FP8 layers, bf16 weights, an objective that generates."""
+    """The parallel strategy trains what the recipe asks: LoRA adapters (on the experts too), quantised weights, FP8 layers, a tiled MLP, bf16 weights, an objective that generates."""
     parallel, strategy = recipe.parallel, recipe.parallel.strategy
     asked = [
         ("lora", recipe.lora is not None, "lora", "remove the lora section"),
@@ -221,6 +221,12 @@ def _strategy_supports(recipe: Recipe) -> list[str]:
         ),
         ("quantized", recipe.model.quantize != "none", "model.quantize", "set model.quantize=none"),
         ("fp8", recipe.training.fp8 != "none", "training.fp8", "set training.fp8=none"),
+        (
+            "tiled mlp",
+            recipe.training.tiled_mlp is not False,
+            "training.tiled_mlp",
+            "set training.tiled_mlp=false",
+        ),
         (
             "bf16 weights",
             recipe.training.precision == "bf16",
@@ -389,6 +395,27 @@ def _checkpointing_modules(recipe: Recipe) -> list[str]:
             + "); set it to selective or remove the modules"
         ]
     return []
+
+
+@rule("training.tiled_mlp")
+def _tiled_mlp(recipe: Recipe) -> list[str]:
+    """training.tiled_mlp goes neither with a checkpointed mlp sub-module (the tiled MLP keeps only its input already) nor with training.compile (untried)."""
+    training = recipe.training
+    if training.tiled_mlp is False:
+        return []
+    problems = []
+    if "mlp" in training.activation_checkpointing_modules:
+        problems.append(
+            "training.tiled_mlp: the tiled MLP keeps only its input already; checkpointing it too "
+            "(training.activation_checkpointing_modules [mlp]) would only add a forward: remove mlp from "
+            "the modules or set training.tiled_mlp=false"
+        )
+    if training.compile:
+        problems.append(
+            "training.tiled_mlp: not with training.compile (its backward calls the MLP's forward, "
+            "untried under torch.compile); set one of them to false"
+        )
+    return problems
 
 
 # --------------------------------------------------------------------------------------------

@@ -134,7 +134,8 @@ class ParallelOptions(Section):
     # generation" (that generation's decode step captured as a CUDA graph), "expert
     # adapters" (lora.target_parameters: peft's adapters on 3-D parameters), "eval.tasks"
     # (lm-evaluation-harness on the trained model, which needs one process to hold all of it),
-    # "context parallel" (``context_parallel`` > 1).
+    # "context parallel" (``context_parallel`` > 1), "tiled mlp" (``training.tiled_mlp``: the MLP's
+    # forward called again inside its backward).
     unsupported: ClassVar[dict[str, str]] = {}
     # What running it on the CPU costs, when that is more than slowness: a warning at the start.
     cpu_warning: ClassVar[str | None] = None

@@ -69,6 +69,7 @@ class DeepSpeedParallel(ParallelOptions):
         "lora": "its checkpoints hold every weight",
         "quantized": "quantised weights cannot be sharded",
         "fp8": "torchao's float8 layers are not tested under DeepSpeed",
+        "tiled mlp": "ZeRO-3's per-module gathers are untried around a forward called inside the backward",
         "bf16 weights": "its bf16 mode keeps fp32 master weights in the ZeRO optimizer",
         "generation": "generating in the loop is not wired to its engine (ZeRO-3 would gather every layer "
         "for each generated token)",

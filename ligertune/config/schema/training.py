@@ -87,6 +87,13 @@ class TrainingSection(Section):
         "memory on a side CUDA stream, and back ahead of their backward: long sequences at the cost of "
         "PCIe traffic (the GPU waits when the copies are slower than a layer's compute); a no-op on CPU.",
     )
+    tiled_mlp: bool | int = Field(
+        False,
+        description="Run each decoder layer's MLP over its tokens in tiles of this many (true: the hidden "
+        "size) and recompute it tile by tile in backward, so its [tokens × intermediate] activations are "
+        "those of one tile: for long rows, where they are a layer's largest; costs one more MLP forward "
+        "per layer. false: off.",
+    )
     memory_budget_gib: float | None = Field(
         None,
         gt=0,
@@ -148,6 +155,16 @@ class TrainingSection(Section):
                 f"got {value!r}; allowed: 'auto', 'none', 'full' or 'selective' (true/false: full/none)"
             )
         return value
+
+    @field_validator("tiled_mlp", mode="wrap")
+    @classmethod
+    def _tile_tokens(cls, value, handler) -> bool | int:
+        """true, false or a positive number of tokens, with one message for anything else."""
+        if isinstance(value, bool) or (isinstance(value, int) and value > 0):
+            return value
+        raise ValueError(
+            f"got {value!r}; input should be true, false or a positive number of tokens per tile"
+        )
 
     @field_validator("activation_checkpointing_modules")
     @classmethod

@@ -1,6 +1,6 @@
 """The ordered list of model transforms: what happens to the built model before it is wrapped.
 
-    build_model → attention → kernels → plugins → freeze → lora → fp8 → activation checkpointing → compile → runtime.wrap
+    build_model → attention → kernels → plugins → freeze → lora → fp8 → tiled mlp → activation checkpointing → compile → runtime.wrap
 
 Each `ModelTransform` says when it applies and what it does; `apply_transforms` runs them in
 `TRANSFORMS` order and returns the model (a transform may return a new one, as an adapter
@@ -36,6 +36,7 @@ from ligertune.patching import PatchReport, patch_model
 from ligertune.patching.liger import apply_liger
 from ligertune.training.transforms.checkpointing import checkpoint_submodules
 from ligertune.training.transforms.offload import install_offload
+from ligertune.training.transforms.tiled_mlp import install_tiled_mlp
 
 # The built-in plugins (`ligertune.catalog.section.BUILTIN_PLUGINS` names them for the recipe rules).
 BUILTIN_PLUGINS: dict[str, Callable] = {"liger": apply_liger}
@@ -156,6 +157,13 @@ def _fp8(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
     return model, report
 
 
+def _tiled_mlp(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str]:
+    """``training.tiled_mlp`` (`ligertune.training.transforms.tiled_mlp`): wraps each decoder MLP's
+    forward as the kernels, LoRA and fp8 left it, so the tiles run the patched forward and the
+    adapters; before checkpointing, whose recompute then runs the tiled forward."""
+    return model, install_tiled_mlp(model, recipe.training.tiled_mlp)
+
+
 def _activation_checkpointing(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str | None]:
     """``training.activation_checkpointing`` full (every decoder layer) or selective (layers 0, k,
     2k, ...): whole layers through transformers' ``every_n_layers``, or, with
@@ -215,6 +223,7 @@ TRANSFORMS: tuple[ModelTransform, ...] = (
     ModelTransform("freeze", lambda r: bool(r.model.freeze), _freeze),
     ModelTransform("lora", lambda r: r.lora is not None, _lora, changes_state=True),
     ModelTransform("fp8", lambda r: r.training.fp8 != "none", _fp8),
+    ModelTransform("tiled_mlp", lambda r: r.training.tiled_mlp is not False, _tiled_mlp),
     ModelTransform(
         "activation_checkpointing",
         lambda r: (

@@ -1,0 +1,151 @@
+"""``training.tiled_mlp``: the decoder MLP over tiles of tokens, recomputed tile by tile in
+backward (`ligertune.training.transforms.tiled_mlp`): exact against the untiled MLP, with our
+gated kernels, LoRA, activation checkpointing and FSDP2; its rules; the memory plan's count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ligertune.config import RecipeError, load_recipe
+from ligertune.models.build import decoder_layers
+from ligertune.training import train
+from tests.helpers import QUICKSTART
+from tests.test_checkpointing import _loss_and_grads, _tiny_three_layers, _transformed
+from tests.test_patching import random_batch, tiny_model
+from tests.test_train import TINY, _packed_rows, tiny_recipe, train_losses
+
+
+def _down_proj_calls(model) -> list[int]:
+    """A counter of the down projections' calls over all decoder layers (each call: one tile)."""
+    calls = [0]
+    for layer in decoder_layers(model):
+        layer.mlp.down_proj.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def _assert_same(got, expected, loss, expected_loss):
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-6, atol=0)
+    assert got.keys() == expected.keys()
+    for name, g in expected.items():
+        torch.testing.assert_close(got[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("kernels", ["none", "all"])
+@pytest.mark.parametrize("tile", [5, 8, "true", 10**6])
+def test_tiled_mlp_gives_the_untiled_loss_and_every_gradient(kernels, tile):
+    """fp32: 2 rows × 8 tokens = 16 tokens per MLP call, in tiles of 5 (not dividing 16), 8,
+    the hidden size (64: one tile) and a million (one tile); with the swiglu kernel patched and
+    without. The input's gradient reaches the embedding's, so it is checked too; the forward
+    runs the tiles once in forward and once more in backward."""
+    base = tiny_model("llama")
+    plain, _ = _transformed(base, [f"kernels={kernels}"])
+    model, reports = _transformed(base, [f"kernels={kernels}", f"training.tiled_mlp={tile}"])
+    assert reports["tiled_mlp"].startswith("tiled MLP: 2 of 2 decoder layers")
+    if kernels == "all":
+        assert all(layer.mlp.__dict__["_ligertune_kernel"] == "swiglu" for layer in decoder_layers(model))
+    batch = random_batch()
+    calls = _down_proj_calls(model)
+    expected_loss, expected = _loss_and_grads(plain, batch)
+    loss, got = _loss_and_grads(model, batch)
+    tiles = -(-16 // (64 if tile == "true" else tile))
+    assert calls[0] == 2 * 2 * tiles  # layers × (forward, backward) × tiles
+    _assert_same(got, expected, loss, expected_loss)
+    with torch.no_grad():  # evaluation: plain tiles, no Function
+        torch.testing.assert_close(model(**batch).logits, plain(**batch).logits, rtol=1e-6, atol=1e-6)
+
+
+def _lora_model(base, overrides: list[str]):
+    """`base` under peft LoRA on every projection, with lora_B drawn at random (peft starts it
+    at zero, where lora_A's gradients are zero too), the same in every call."""
+    model, _ = _transformed(base, overrides)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=generator))
+    return model
+
+
+LORA = "lora={r: 4, alpha: 8, dropout: %s, target_modules: all-linear}"
+
+
+def test_tiled_mlp_with_lora_and_full_checkpointing():
+    """peft LoRA on every projection, with and without full checkpointing: loss and the
+    adapters' gradients are the untiled model's. Under checkpointing each tile runs three times
+    per layer (forward, the layer's recompute, the tiled backward), never more."""
+    base = _tiny_three_layers()
+    batch = _packed_rows(torch.Generator().manual_seed(3), 256, 32)
+    expected_loss, expected = _loss_and_grads(_lora_model(base, [LORA % 0.0]), batch)
+    assert {"mlp.gate_proj.lora_A", "mlp.up_proj.lora_B", "mlp.down_proj.lora_A"} <= {
+        ".".join(name.split(".")[-5:-2]) for name in expected
+    }
+    for checkpointing, passes in (("none", 2), ("full", 3)):
+        model = _lora_model(
+            base, [LORA % 0.0, "training.tiled_mlp=48", f"training.activation_checkpointing={checkpointing}"]
+        )
+        calls = _down_proj_calls(model)
+        loss, got = _loss_and_grads(model, batch)
+        assert calls[0] == 3 * passes * 3  # 3 layers, 128 tokens in 3 tiles of ≤ 48
+        _assert_same(got, expected, loss, expected_loss)
+
+
+def test_tiled_backward_replays_the_forwards_dropout_masks():
+    """Adapter dropout inside the MLP: the backward's tiles draw the forward's masks again. The
+    reference runs the same tiles, in the same order, with autograd keeping every graph (the
+    untiled MLP draws its masks in another order, so it is no reference here)."""
+    base = _tiny_three_layers()
+    batch = _packed_rows(torch.Generator().manual_seed(3), 256, 32)
+    reference = _lora_model(base, [LORA % 0.3])
+    for layer in decoder_layers(reference):
+        forward = layer.mlp.forward
+        layer.mlp.forward = lambda x, forward=forward: torch.cat(
+            [forward(t) for t in x.reshape(-1, x.shape[-1]).split(48)]
+        ).view_as(x)
+    expected_loss, expected = _loss_and_grads(reference, batch)
+    model = _lora_model(base, [LORA % 0.3, "training.tiled_mlp=48"])
+    loss, got = _loss_and_grads(model, batch)
+    _assert_same(got, expected, loss, expected_loss)
+
+
+def test_training_loop_gives_the_same_losses_tiled(tmp_path):
+    """The quickstart's tiny model (our kernels on) for 3 steps, untiled and in 40-token tiles."""
+    train(tiny_recipe(tmp_path / "plain", "training.max_steps=3"))
+    train(tiny_recipe(tmp_path / "tiled", "training.max_steps=3", "training.tiled_mlp=40"))
+    plain, tiled = train_losses(tmp_path / "plain"), train_losses(tmp_path / "tiled")
+    assert plain.keys() == tiled.keys() == {1, 2, 3}
+    for step in plain:
+        assert tiled[step] == pytest.approx(plain[step], rel=1e-5)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["training.tiled_mlp=0"], "positive number of tokens per tile"),
+        (["training.tiled_mlp=auto"], "positive number of tokens per tile"),
+        (["training.compile=true"], "training.tiled_mlp: not with training.compile"),
+        (
+            [
+                "training.activation_checkpointing=selective",
+                "training.activation_checkpointing_modules=[mlp]",
+            ],
+            "training.tiled_mlp: the tiled MLP keeps only its input already",
+        ),
+        (
+            ["parallel={strategy: deepspeed}", "training.precision=bf16-mixed"],
+            "training.tiled_mlp: not supported with parallel.strategy deepspeed",
+        ),
+    ],
+)
+def test_tiled_mlp_rules_name_the_key(overrides, message):
+    tiled = [] if "tiled_mlp" in overrides[0] else ["training.tiled_mlp=true"]
+    with pytest.raises(RecipeError, match=message.replace("(", r"\(")):
+        load_recipe(QUICKSTART, TINY + tiled + overrides)
+
+
+def test_a_model_without_a_dense_mlp_is_refused_naming_the_key():
+    model = tiny_model("llama")
+    for layer in decoder_layers(model):
+        del layer.mlp
+    with pytest.raises(RecipeError, match="training.tiled_mlp: LlamaForCausalLM has no dense gated MLP"):
+        _transformed(model, ["training.tiled_mlp=true"])
