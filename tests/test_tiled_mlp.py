@@ -186,3 +186,31 @@ def test_fsdp2_on_two_ranks_matches_one_process_untiled(tmp_path):
             assert_losses_close(
                 losses(tmp_path / name, key=key), losses(single, key=key), FP32_RTOL, f"{name} {key}"
             )
+
+
+def test_the_plan_counts_the_mlp_intermediates_of_one_tile():
+    """Llama-3-8B (hidden 4096, intermediate 14336), one 131,072-token row, bf16, our kernels
+    (swiglu: gate, up and the product saved, 3 × 14336 × 2 = 86,016 bytes a token; one
+    gate/up-sized gradient in backward). Untiled, a layer saves those over every token and its
+    backward holds the gradient over every token; tiled (true: 4096-token tiles), both are one
+    tile's, and a full-checkpointing recompute keeps none of them."""
+    from ligertune.plan.activations import layer_activation_bytes, layer_backward_bytes, recomputed_bytes
+    from ligertune.plan.setting import Setting
+    from tests.test_plan_cp import OURS, SHAPE
+
+    def at(tiled, kernels=OURS, checkpointing="none"):
+        return Setting(1, 131072, checkpointing=checkpointing, kernels=kernels, tiled_mlp=tiled)
+
+    untiled, tiled = at(False), at(True)
+    assert layer_activation_bytes(SHAPE, untiled) - layer_activation_bytes(SHAPE, tiled) == 11_274_289_152
+    # 131072 × (14336 + 4 × 4096) × 2 untiled; tiled 4096 × 14336 × 2 (gradient) + 131072 × 4 ×
+    # 4096 × 2 (hidden-sized) + 4096 × 3 × 14336 × 2 (the tile's recomputed intermediates).
+    assert layer_backward_bytes(SHAPE, untiled) == 8_053_063_680
+    assert layer_backward_bytes(SHAPE, tiled) == layer_backward_bytes(SHAPE, at(4096)) == 4_764_729_344
+    # A tile longer than the row: one tile of every token, the intermediates on top of the gradient.
+    assert layer_backward_bytes(SHAPE, at(10**9)) == 8_053_063_680 + 11_274_289_152
+    full = recomputed_bytes(SHAPE, at(False, checkpointing="full"))
+    assert full - recomputed_bytes(SHAPE, at(True, checkpointing="full")) == 11_274_289_152
+    # Without the fused kernel act(gate) is saved too (4 tensors) and gate/up both get a gradient:
+    # 4096 × 2 × 14336 × 2 + 131072 × 4 × 4096 × 2 + 4096 × 4 × 14336 × 2.
+    assert layer_backward_bytes(SHAPE, at(True, kernels=frozenset())) == 4_999_610_368

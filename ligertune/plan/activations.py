@@ -23,6 +23,12 @@ layer's input. The listing is checked against a measurement on CPU (``tests/test
 ``saved_tensors_hooks`` summing the unique storages of a tiny model's forward, with and without
 sub-module checkpointing).
 
+With ``training.tiled_mlp`` the dense MLP keeps only its input (the post-attention norm's
+output, counted already): gate, up, act(gate) and the product exist for one tile of T tokens at a
+time, in that layer's backward, where the tile's forward is run again (`mlp_tile_tokens`,
+`layer_backward_bytes`); a whole-layer recompute keeps none of them either. A mixture of
+experts is counted untiled (its routed blocks are not tiled).
+
 A mixture of experts (`ModelShape.experts`) sizes the MLP rows by what one token goes through
 (k expert widths and a shared expert's) and adds the experts' and the router's own tensors; with
 ``moe_experts`` on, the experts keep only their pre-activation gate/up rows. An estimate, not
@@ -102,10 +108,8 @@ def layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
             Saved("experts: pre-activation gate/up (moe_experts)", 2 * i, ea, "mlp"),
             Saved("router: probabilities", shape.experts, 4, "mlp"),
         ]
-    saved += [Saved("mlp: gate", i, ea, "mlp"), Saved("mlp: up", i, ea, "mlp")]
-    if not ({"swiglu", "geglu"} & k):
-        saved.append(Saved("mlp: act(gate)", i, ea, "mlp"))
-    saved.append(Saved("mlp: act(gate)·up (down_proj's input)", i, ea, "mlp"))
+    if not tiles_mlp(shape, s):
+        saved += mlp_intermediates(shape, s)
     if shape.experts:
         # transformers' grouped_mm experts (integrations/moe.py) run on each token's k copies,
         # gathered and sorted by expert (the up projection's saved input), and keep the experts'
@@ -118,6 +122,29 @@ def layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
             Saved("router: probabilities", shape.experts, 4, "mlp"),
         ]
     return saved
+
+
+def tiles_mlp(shape: ModelShape, s: Setting) -> bool:
+    """Whether the layers' MLP runs in tiles (``training.tiled_mlp`` on a dense model)."""
+    return s.tiled_mlp is not False and not shape.experts
+
+
+def mlp_tile_tokens(shape: ModelShape, s: Setting) -> int:
+    """Tokens whose MLP intermediates exist at once: this GPU's tokens of the micro-batch, or
+    with a tiled MLP one tile of them (true: the hidden size; `ligertune.training.transforms.tiled_mlp`)."""
+    if not tiles_mlp(shape, s):
+        return s.tokens
+    return min(s.tokens, shape.hidden if s.tiled_mlp is True else s.tiled_mlp)
+
+
+def mlp_intermediates(shape: ModelShape, s: Setting) -> list[Saved]:
+    """What the gated MLP saves per token beyond its input: gate and up, act(gate) without our
+    fused kernel (which recomputes it), and the product down_proj keeps."""
+    ea, i = compute_bytes(s), shape.intermediate
+    saved = [Saved("mlp: gate", i, ea, "mlp"), Saved("mlp: up", i, ea, "mlp")]
+    if not ({"swiglu", "geglu"} & s.kernels):
+        saved.append(Saved("mlp: act(gate)", i, ea, "mlp"))
+    return saved + [Saved("mlp: act(gate)·up (down_proj's input)", i, ea, "mlp")]
 
 
 def checkpointed_layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
@@ -258,11 +285,16 @@ def loss_temporary_bytes(shape: ModelShape, s: Setting) -> int:
 
 
 def layer_backward_bytes(shape: ModelShape, s: Setting) -> int:
-    """Working set of one decoder layer's backward: gradients of its largest activations, and
-    under context parallelism the gradients of the gathered K and V (`gathered_kv_gradient_bytes`)."""
+    """Working set of one decoder layer's backward: gradients of its largest activations (the
+    MLP's gate/up gradients over `mlp_tile_tokens`, a few hidden-sized ones over every token),
+    with a tiled MLP one tile's recomputed intermediates, and under context parallelism the
+    gradients of the gathered K and V (`gathered_kv_gradient_bytes`)."""
     ea = compute_bytes(s)
     gated = 1 if {"swiglu", "geglu"} & s.kernels else 2  # the fused kernel overwrites gate/up
-    own = s.tokens * (gated * shape.intermediate + 4 * shape.hidden) * ea
+    tile = mlp_tile_tokens(shape, s)
+    own = tile * gated * shape.intermediate * ea + s.tokens * 4 * shape.hidden * ea
+    if tiles_mlp(shape, s):
+        own += sum(t.bytes(tile) for t in mlp_intermediates(shape, s))
     return own + gathered_kv_gradient_bytes(shape, s)
 
 

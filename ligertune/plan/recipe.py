@@ -71,6 +71,7 @@ def base_setting(recipe: Recipe, world_size: int, frozen: ModelShape | None = No
         every=training.activation_checkpointing_every,
         modules=tuple(training.activation_checkpointing_modules),
         offload=training.activation_offload,
+        tiled_mlp=training.tiled_mlp,
         kernels=frozenset(recipe.kernels.enabled()),
         precision=training.precision,
         parallel=recipe.parallel,

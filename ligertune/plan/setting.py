@@ -28,6 +28,8 @@ class Setting:
     every: int = 2  # selective: every k-th layer is checkpointed
     modules: tuple[str, ...] = ()  # selective: the sub-module recomputed in those layers (empty: all)
     offload: bool = False  # activation offload to pinned CPU memory (layers not checkpointed whole)
+    # ``training.tiled_mlp``: false, true (tiles of the hidden size) or tokens per tile.
+    tiled_mlp: bool | int = False
     kernels: frozenset[str] = frozenset()
     precision: str = "bf16"  # bf16 | bf16-mixed | fp32
     # The recipe's parallel section: the strategy and its options (`ligertune.catalog.strategies`),
