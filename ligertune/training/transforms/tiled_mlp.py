@@ -25,9 +25,9 @@ The math is exact: the tiles partition the tokens, each output row depends on it
 row, and the weight gradient ``Σ_tokens`` splits into a sum over tiles (fp32 sums in a
 different order: equal up to rounding).
 
-Cost: one more forward of every MLP per layer in backward (about a third of the MLP's FLOPs on
-top of its forward and backward: ~2/9 of a Llama layer's matmuls at short rows, less at long
-ones where attention dominates), and a few small matmuls per tile instead of one large one
+Cost: one more forward of every MLP per layer in backward (2 FLOPs per MLP weight and token on
+top of 6: ~27% more matmul work in a Llama-3-8B layer, whose MLP holds 81% of its weights; a
+smaller share of the step at long rows, where attention's S² work dominates), and a few small matmuls per tile instead of one large one
 (T ≥ a few thousand tokens keeps them efficient). Under full activation checkpointing the layer's
 forward runs twice already; the tiled MLP adds its third forward, as without checkpointing it
 adds a second: tiling never gets the extra forward for free, it trades it for memory.
