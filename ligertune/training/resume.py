@@ -257,6 +257,7 @@ RESUME_RULES: dict[str, str | Callable[[_Compared], str | None] | None] = {
             "adam_eps",
             "max_grad_norm",
             "activation_checkpointing",
+            "tiled_mlp",
             "compile",
             "eval_every",
             "eval_max_batches",
