@@ -151,41 +151,42 @@ def test_a_model_without_a_dense_mlp_is_refused_naming_the_key():
         _transformed(model, ["training.tiled_mlp=true"])
 
 
-def test_fsdp2_on_two_ranks_matches_one_process_untiled(tmp_path):
+def test_fsdp2_and_ddp_on_two_ranks_match_one_process_untiled(tmp_path):
     """Two gloo ranks under FSDP2 (the MLP's forward called inside its backward with the
     layer's gathered weights): tiled, tiled under full checkpointing, and tiled with LoRA adapters
-    on the MLP; each gives one untiled process's losses and gradient norms."""
+    on the MLP; under DDP (whose reducer must see one gradient per weight): tiled. Each gives one
+    untiled process's losses and gradient norms."""
     from tests.test_distributed import FP32_RTOL, SHAPE_1, SHAPE_2, assert_losses_close, launch_worker, losses
     from tests.test_distributed import TINY as DISTRIBUTED
 
     common = DISTRIBUTED + ["training.max_steps=2", "data.validation_fraction=0.0", "training.tiled_mlp=48"]
-    variants = {
-        "tiled": [],
-        "checkpointed": ["training.activation_checkpointing=full"],
-        "lora": [
-            "lora={r: 4, alpha: 8, target_modules: [gate_proj, up_proj, down_proj]}",
-            "training.lr=1e-2",
-        ],
+    lora = ["lora={r: 4, alpha: 8, target_modules: [gate_proj, up_proj, down_proj]}", "training.lr=1e-2"]
+    references = {"plain": [], "checkpointed": ["training.activation_checkpointing=full"], "lora": lora}
+    # run → (strategy, the one-process reference it must match)
+    runs = {
+        "fsdp": ("fsdp", "plain"),
+        "fsdp-checkpointed": ("fsdp", "checkpointed"),
+        "fsdp-lora": ("fsdp", "lora"),
     }
+    runs["ddp"] = ("ddp", "plain")
     output = launch_worker(
         [
-            common + SHAPE_2 + extra + ["parallel.strategy=fsdp", f"output_dir={tmp_path / name}"]
-            for name, extra in variants.items()
+            common
+            + SHAPE_2
+            + references[reference]
+            + [f"parallel.strategy={strategy}", f"output_dir={tmp_path / run}"]
+            for run, (strategy, reference) in runs.items()
         ],
         tmp_path,
     )
-    assert output.count("tiled MLP: 2 of 2 decoder layers, 48 tokens per tile") == len(variants)
-    for name, extra in variants.items():
-        single = tmp_path / f"{name}-single"
-        train(
-            load_recipe(
-                QUICKSTART, common + SHAPE_1 + extra + ["training.tiled_mlp=false", f"output_dir={single}"]
-            )
-        )
+    assert output.count("tiled MLP: 2 of 2 decoder layers, 48 tokens per tile") == len(runs)
+    for name, extra in references.items():
+        overrides = common + SHAPE_1 + extra + ["training.tiled_mlp=false", f"output_dir={tmp_path / name}"]
+        train(load_recipe(QUICKSTART, overrides))
+    for run, (_, reference) in runs.items():
         for key in ("loss", "grad_norm"):
-            assert_losses_close(
-                losses(tmp_path / name, key=key), losses(single, key=key), FP32_RTOL, f"{name} {key}"
-            )
+            expected = losses(tmp_path / reference, key=key)
+            assert_losses_close(losses(tmp_path / run, key=key), expected, FP32_RTOL, f"{run} {key}")
 
 
 def test_the_plan_counts_the_mlp_intermediates_of_one_tile():
