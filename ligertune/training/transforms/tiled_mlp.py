@@ -27,8 +27,8 @@ different order: equal up to rounding).
 
 Cost: one more forward of every MLP per layer in backward (2 FLOPs per MLP weight and token on
 top of 6: ~27% more matmul work in a Llama-3-8B layer, whose MLP holds 81% of its weights; a
-smaller share of the step at long rows, where attention's S² work dominates), and a few small matmuls per tile instead of one large one
-(T ≥ a few thousand tokens keeps them efficient). Under full activation checkpointing the layer's
+smaller share of the step at long rows, where attention's S² work dominates), and a few smaller
+matmuls instead of one large one (T ≥ a few thousand tokens keeps them efficient). Under full activation checkpointing the layer's
 forward runs twice already; the tiled MLP adds its third forward, as without checkpointing it
 adds a second: tiling never gets the extra forward for free, it trades it for memory.
 
@@ -36,7 +36,8 @@ What goes with it:
 
 - RNG: the random state is taken at the start of the forward and restored (in a forked RNG) for
   the backward's tiles, which run in the same order, so dropout inside the MLP (peft's
-  ``lora_dropout``) draws the same masks.
+  ``lora_dropout``) draws the forward's masks again. They are drawn tile by tile, so they are
+  not the masks the untiled MLP would have drawn (a valid dropout all the same).
 - Autocast: the forward's autocast state is restored for the backward's tiles.
 - Activation checkpointing: under whole-layer checkpointing the layer's recompute runs the
   Function's forward again (tiled, keeping ``x``), then its backward recomputes each tile once:
