@@ -12,6 +12,11 @@
   tokens added (ids 2048–2052), a chat template with Gemma's turn markers (the assistant is
   ``model``, a system message opens the first user turn) that writes ``<start_of_image>`` for
   each image part, and Gemma 3's image processor at a fixed 56×56 (tiny-gemma3-vl).
+* ``ligertune/assets/vl_processor_mllama/``: the same text tokenizer with Llama 3's header and
+  end-of-turn tokens (ids 2048–2050) and ``<|image|>`` (2051, one past the tiny model's text
+  vocabulary, as in the checkpoints: never predicted), a Llama-3-style chat template that writes
+  ``<|image|>`` for each image part, and Llama 3.2 Vision's image processor with 56×56 tiles, at
+  most 2 per image (tiny-mllama).
 
     python scripts/make_vl_sample.py [--check]
 """
@@ -90,6 +95,26 @@ GEMMA3_CHAT_TEMPLATE = (
 )
 
 
+MLLAMA_TOKENS = ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|image|>"]
+# Llama 3's turn headers, content as text or parts; earlier turns render the same whatever follows
+# them, so the assistant turns are found by prefix (ligertune.data.chat).
+MLLAMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' ~ message['role'] ~ ': use system, user or assistant') }}"
+    "{% endif %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|image|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|eot_id|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
 def draw(shape: str, colour: tuple[int, int, int], rng: random.Random) -> Image.Image:
     image = Image.new("RGB", (SIZE, SIZE), (255, 255, 255))
     pen = ImageDraw.Draw(image)
@@ -157,6 +182,19 @@ def write_gemma3_processor(out: Path) -> None:
     Gemma3ImageProcessorPil(size={"height": SIZE, "width": SIZE}).save_pretrained(out / "vl_processor_gemma3")
 
 
+def write_mllama_processor(out: Path) -> None:
+    from transformers import AutoTokenizer
+    from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(ASSETS / "tokenizer")
+    tokenizer.add_special_tokens({"additional_special_tokens": MLLAMA_TOKENS})
+    tokenizer.chat_template = MLLAMA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out / "vl_processor_mllama")
+    MllamaImageProcessorPil(size={"height": SIZE, "width": SIZE}, max_image_tiles=2).save_pretrained(
+        out / "vl_processor_mllama"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -167,11 +205,13 @@ def main() -> int:
         write_sample(ASSETS)
         write_processor(ASSETS)
         write_gemma3_processor(ASSETS)
+        write_mllama_processor(ASSETS)
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         write_sample(Path(tmp))
         write_processor(Path(tmp))
         write_gemma3_processor(Path(tmp))
+        write_mllama_processor(Path(tmp))
         names = [p.relative_to(tmp) for p in Path(tmp).rglob("*") if p.is_file()]
         differ = [str(n) for n in names if not filecmp.cmp(Path(tmp) / n, ASSETS / n, shallow=False)]
     print("differs: " + ", ".join(differ) if differ else f"{len(names)} files as committed")

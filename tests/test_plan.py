@@ -815,6 +815,16 @@ def test_a_vl_recipes_tower_from_its_config_and_image_bounds():
     )
     v = gemma.vision
     assert (v.gated, v.trains, v.tokens_per_image, v.patches_per_image) == (False, False, 4, 16)
+    # Llama 3.2 Vision: 2 local + 1 global encoder layer; 2 tiles of 16 patches + the class token,
+    # padded to 24; one image per row assumed (its one token per image bounds nothing).
+    from ligertune.plan.vision import assumption
+
+    mllama = recipe_shape(load_recipe(ROOT / "recipes" / "quickstart-vl-mllama.yaml", []))
+    v = mllama.vision
+    assert (v.layers, v.gated, v.trains, v.patches_per_image, v.images_per_row) == (3, False, True, 48, 1)
+    assert mllama.layers == 3  # both decoder layer kinds
+    line = assumption(mllama, Setting(micro_batch_size=2, seq_len=128))
+    assert "assumes 1 image of all its tiles (48 patches) per row" in line
     assert recipe_shape(load_recipe(QUICKSTART, [])).vision is None
 
 

@@ -1,5 +1,5 @@
-"""Vision-language fine-tuning (issue #32) on tiny random-init Qwen2.5-VL, Qwen3-VL and Gemma 3
-models, offline: kernels on the language model and the vision tower against HF's unpatched model,
+"""Vision-language fine-tuning (issue #32) on tiny random-init Qwen2.5-VL, Qwen3-VL, Gemma 3 and
+Llama 3.2 Vision (mllama) models, offline: kernels on the language model and the vision tower against HF's unpatched model,
 the assistant-only mask, bad images, freezing, LoRA's targets, and the quickstarts and
 `generate --image` through the CLI."""
 
@@ -20,7 +20,13 @@ from ligertune.catalog.architectures import SHIPPED_CONFIGS
 from ligertune.catalog.kernels import KERNEL_NAMES
 from ligertune.config import load_recipe
 from ligertune.data import load_tokenizer
-from ligertune.data.vision import TOKEN_TYPE_KEYS, VisionLoader, build_vision_datasets, load_processor
+from ligertune.data.vision import (
+    TOKEN_TYPE_KEYS,
+    VisionLoader,
+    build_vision_datasets,
+    collate,
+    load_processor,
+)
 from ligertune.errors import DataError, RecipeError
 from ligertune.models import attention as attention_module
 from ligertune.models.attention import segment_attention, segment_block_mask, segment_mask
@@ -33,6 +39,7 @@ from tests.helpers import ROOT, pythonpath_with_root, run_repo_script
 
 QUICKSTART_VL = ROOT / "recipes" / "quickstart-vl.yaml"
 QUICKSTART_VL_GEMMA3 = ROOT / "recipes" / "quickstart-vl-gemma3.yaml"
+QUICKSTART_VL_MLLAMA = ROOT / "recipes" / "quickstart-vl-mllama.yaml"
 IMAGE = ASSETS_DIR / "vl_images" / "00.png"
 
 
@@ -124,6 +131,26 @@ PATCHED = {
         # Gemma3PreTrainedModel._init_weights zeros the projection: no gradient would reach the tower.
         ("model.multi_modal_projector.mm_input_projection_weight",),
     ),
+    # Llama 3.2 Vision: rms_norm: 2 self-attention layers × 2, the cross-attention layer's 2 and
+    # its q_norm/k_norm, the final norm; nn.LayerNorm: 3 encoder layers × 2, layernorm_pre and
+    # _post; swiglu: every layer's MLP; rope: the self-attention layers only.
+    "tiny-mllama": (
+        QUICKSTART_VL_MLLAMA,
+        {"rms_norm": 9, "layer_norm": 8, "swiglu": 3, "rope": 2, "fused_linear_cross_entropy": 1},
+        (
+            "vision tower (model.vision_model, 3 blocks): layer_norm 8; projector (model.multi_modal_projector): "
+            "nothing patched; language model (model.language_model): fused_linear_cross_entropy 1, rope 2, "
+            "swiglu 3, rms_norm 9; rope: the self-attention layers' kernel rotates Llama's cos/sin; the "
+            "cross-attention layers and the vision tower have no RoPE",
+        ),
+        "model.vision_model.transformer.layers.0.self_attn.q_proj.weight",
+        # MllamaPreTrainedModel._init_weights zeros the cross-attention layer's tanh gates: its
+        # output, and so the images, would not reach the loss.
+        (
+            "model.language_model.layers.1.cross_attn_attn_gate",
+            "model.language_model.layers.1.cross_attn_mlp_gate",
+        ),
+    ),
 }
 
 
@@ -132,19 +159,30 @@ def test_patched_matches_unpatched_with_images_loss_and_grads(architecture):
     """fp32, two rows with images, rope on: the language model's RoPE kernel rotates the cos/sin
     HF's rotary module built (Qwen-VL's 3-D sections, Gemma 3's local and global frequencies), so
     it must match exactly as well. Gemma 3's rows carry token_type_ids: both models attend both
-    ways within an image's tokens."""
+    ways within an image's tokens. Llama 3.2 Vision's carry their tiles and cross_attention_mask
+    (more images and tiles: `test_mllama_samples_...`)."""
     path, counts, where, vision_weight, zeros = PATCHED[architecture]
     recipe = _recipe("training.precision=fp32", f"model.config={architecture}", path=path)
     batch = _batch(recipe)
+    reference, patched, report = _reference_and_patched(recipe, zeros)
+    assert {k: report.patched[k] for k in counts} == counts
+    assert all(fragment in str(report) for fragment in where)
+    _assert_same_loss_and_grads(reference, patched, batch, vision_weight)
+
+
+def _reference_and_patched(recipe, zeros: tuple[str, ...]):
+    """The recipe's model (HF's, `zeros` filled with noise) and a copy with every kernel on."""
     reference = build_model(recipe, torch.device("cpu"))
     with torch.no_grad():
         for name in zeros:
             reference.get_parameter(name).normal_(0.0, 0.02, generator=torch.Generator().manual_seed(0))
     patched = copy.deepcopy(reference)
-    report = patch_model(patched, "all")
-    assert {k: report.patched[k] for k in counts} == counts
-    assert all(fragment in str(report) for fragment in where)
+    return reference, patched, patch_model(patched, "all")
 
+
+def _assert_same_loss_and_grads(reference, patched, batch, vision_weight: str):
+    """Loss and every gradient alike (fp32), the images' gradient reaching `vision_weight`, and the
+    loss HF's ``sum / num_items_in_batch`` of the unpatched logits."""
     n = torch.tensor(int((batch["labels"][:, 1:] != -100).sum()) + 3)  # an accumulation window's count
     losses, grads = [], []
     for model in (reference, patched):
@@ -507,11 +545,122 @@ def test_gemma3_token_type_ids_reach_the_model_and_make_image_attention_bidirect
     torch.testing.assert_close(both_ways[0, :text_before], causal[0, :text_before])
 
 
+def _wide_image(tmp_path):
+    """Two bundled images side by side, 112×56: two 56×56 tiles (aspect ratio 1×2)."""
+    from PIL import Image
+
+    wide = Image.new("RGB", (112, 56))
+    wide.paste(Image.open(IMAGE).convert("RGB"), (0, 0))
+    wide.paste(Image.open(IMAGE.parent / "01.png").convert("RGB"), (56, 0))
+    path = tmp_path / "wide.png"
+    wide.save(path)
+    return path
+
+
+def test_mllama_samples_are_what_its_processor_makes_and_its_kernels_match_hf_on_them(tmp_path):
+    """Llama 3.2 Vision, two rows: a system message and two images in two turns (one of two tiles),
+    and a quickstart row of one image. Each row's input_ids (one <|image|> per image, nothing
+    expanded), and the batch's tiles, aspect_ratio_ids/mask and cross_attention_mask, as HF's
+    MllamaProcessor makes them from the rendered conversations (the mask compared on the real
+    tokens: the batch pads each row's mask with zeros, where HF's processor, tokenising the
+    padded batch, extends a last image's span over the padding, which attends nowhere); labels on
+    the answers only. Then the kernels against HF's model on that batch: loss and every gradient."""
+    from PIL import Image
+    from transformers.models.mllama.processing_mllama import MllamaProcessor
+
+    from ligertune.data.vision import collate, encode_row
+
+    wide = _wide_image(tmp_path)
+    rows = [
+        {
+            "messages": [
+                {"role": "system", "content": "Answer briefly."},
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "path": str(wide)}, {"type": "text", "text": "And?"}],
+                },
+                {"role": "assistant", "content": "Two shapes."},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "Now:"}, {"type": "image", "path": "01.png"}],
+                },
+                {"role": "assistant", "content": "Blue."},
+            ]
+        },
+        _row({"path": str(IMAGE)}),
+    ]
+    recipe = _recipe("training.precision=fp32", path=QUICKSTART_VL_MLLAMA)
+    processor, _ = _data(recipe)
+    samples = [encode_row(processor, row, "messages", "row", IMAGE.parent, recipe) for row in rows]
+    tokenizer = processor.tokenizer
+    trained = samples[0]["labels"] != -100
+    assert tokenizer.decode(samples[0]["input_ids"][trained]) == "Two shapes.<|eot_id|>Blue.<|eot_id|>"
+    assert samples[0].keys() == {
+        "input_ids",
+        "labels",
+        "pixel_values",
+        "aspect_ratio_ids",
+        "aspect_ratio_mask",
+        "cross_attention_spans",
+    }
+    batch = collate(samples, tokenizer.pad_token_id)
+
+    texts = [tokenizer.apply_chat_template(row["messages"], tokenize=False) for row in rows]
+    images = [
+        [Image.open(wide).convert("RGB"), Image.open(IMAGE.parent / "01.png").convert("RGB")],
+        [Image.open(IMAGE).convert("RGB")],
+    ]
+    expected = MllamaProcessor(processor.image_processor, tokenizer)(
+        images=images, text=texts, add_special_tokens=False, padding=True, return_tensors="pt"
+    )
+    assert torch.equal(batch["input_ids"], expected["input_ids"])
+    assert torch.equal(batch["attention_mask"], expected["attention_mask"])
+    for key in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask"):
+        assert torch.equal(batch[key], expected[key]), key
+    # Row 0: the wide image's 2 tiles, then one; row 1: one, then the padded image's first tile.
+    assert batch["aspect_ratio_mask"].tolist() == [[[1, 1], [1, 0]], [[1, 0], [1, 0]]]
+    real = batch["attention_mask"].bool()
+    assert torch.equal(batch["cross_attention_mask"][real], expected["cross_attention_mask"][real])
+    # Each image seen from its <|image|> up to the next image's (the last: to the row's end), all its tiles.
+    first, second = (samples[0]["input_ids"] == processor.image_token_id).nonzero()[:, 0].tolist()
+    end = len(samples[0]["input_ids"])
+    assert batch["cross_attention_mask"][0].sum(0).tolist() == [[second - first] * 2, [end - second, 0]]
+
+    _, _, _, vision_weight, zeros = PATCHED["tiny-mllama"]
+    reference, patched, _ = _reference_and_patched(recipe, zeros)
+    _assert_same_loss_and_grads(reference, patched, batch, vision_weight)
+
+
+def test_mllama_decoder_layers_include_its_cross_attention_layers_and_their_attention_checkpoints():
+    """The units of checkpointing, compile and FSDP2 are both layer kinds; selective checkpointing
+    of the attention finds a cross-attention layer's ``cross_attn``, and leaves the loss alone."""
+    from ligertune.models.build import decoder_layers
+    from ligertune.training.transforms.checkpointing import checkpoint_submodules
+
+    recipe = _recipe("training.precision=fp32", path=QUICKSTART_VL_MLLAMA)
+    batch = _batch(recipe)
+    model = build_model(recipe, torch.device("cpu")).train()
+    with torch.no_grad():
+        for name in PATCHED["tiny-mllama"][4]:
+            model.get_parameter(name).fill_(0.5)
+    layers = decoder_layers(model)
+    assert [type(layer).__name__ for layer in layers] == [
+        "MllamaSelfAttentionDecoderLayer",
+        "MllamaCrossAttentionDecoderLayer",
+        "MllamaSelfAttentionDecoderLayer",
+    ]
+    plain = model(**batch).loss
+    assert checkpoint_submodules(layers, ["attention", "mlp"], 1) == 3
+    torch.testing.assert_close(model(**batch).loss, plain)
+
+
 def test_gemma3_refuses_pixel_bounds_and_pan_and_scan(tmp_path):
     import shutil
 
     with pytest.raises(RecipeError, match="fixed size .4 image tokens each.; remove them"):
         _data(_recipe("data.image_max_pixels=3136", path=QUICKSTART_VL_GEMMA3))
+    with pytest.raises(RecipeError, match="tiles every image at its image processor's tile size"):
+        _data(_recipe("data.image_min_pixels=3136", path=QUICKSTART_VL_MLLAMA))
     folder = tmp_path / "processor"
     shutil.copytree(ASSETS_DIR / "vl_processor_gemma3", folder)
     config = json.loads((folder / "preprocessor_config.json").read_text())
@@ -581,7 +730,23 @@ def test_freeze_on_gemma3_names_its_projector_outside_the_tower_and_its_tied_lm_
     assert not any(p.requires_grad for p in model.parameters())
 
 
-@pytest.mark.parametrize("path", [QUICKSTART_VL, QUICKSTART_VL_GEMMA3], ids=lambda p: p.stem)
+def test_freeze_on_mllama_names_its_tower_projector_and_language_model():
+    recipe = _recipe("model.freeze=[vision]", path=QUICKSTART_VL_MLLAMA)
+    model = build_model(recipe, torch.device("cpu"))
+    freeze(model, recipe.model.freeze)
+    trains = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert not any(n.startswith("model.vision_model.") for n in trains)
+    assert {n for n in trains if n.startswith("model.multi_modal_projector.")} == {
+        "model.multi_modal_projector.weight",
+        "model.multi_modal_projector.bias",
+    }
+    freeze(model, ["projector", "language_model"])
+    assert {name for name, p in model.named_parameters() if p.requires_grad} == {"lm_head.weight"}
+
+
+@pytest.mark.parametrize(
+    "path", [QUICKSTART_VL, QUICKSTART_VL_GEMMA3, QUICKSTART_VL_MLLAMA], ids=lambda p: p.stem
+)
 def test_lora_adapts_the_language_model_only(path):
     pytest.importorskip("peft")
     from ligertune.lora import apply_lora
@@ -610,7 +775,9 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", [QUICKSTART_VL, QUICKSTART_VL_GEMMA3], ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "path", [QUICKSTART_VL, QUICKSTART_VL_GEMMA3, QUICKSTART_VL_MLLAMA], ids=lambda p: p.stem
+)
 def test_quickstart_vl_trains_through_the_cli_and_generate_answers_about_an_image(tmp_path, path):
     done = _cli("train", path.stem, "training.max_steps=4", "logging.log_every=1", f"output_dir={tmp_path}")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -639,61 +806,18 @@ def test_quickstart_vl_trains_through_the_cli_and_generate_answers_about_an_imag
     )
     sample = prepared.train[0]
     answer_start = int((sample["labels"] != -100).nonzero()[0])
-    prompt = sample["input_ids"][:answer_start][None]
-    images = {k: v for k, v in sample.items() if k not in ("input_ids", "labels", *TOKEN_TYPE_KEYS)}
-    token_types = {k: sample[k][:answer_start][None] for k in TOKEN_TYPE_KEYS if k in sample}
+    per_token = ("input_ids", "labels", *TOKEN_TYPE_KEYS)
+    prompt = {k: v[:answer_start] if k in per_token else v for k, v in sample.items()}
+    inputs = collate([prompt], processor.tokenizer.pad_token_id)
+    del inputs["labels"]
     with torch.no_grad():
-        logits = model(
-            input_ids=prompt, attention_mask=torch.ones_like(prompt), **token_types, **images
-        ).logits
+        logits = model(**inputs).logits
     expected = processor.tokenizer.decode(logits[0, -1].argmax(), skip_special_tokens=True)
     assert done.stdout.rstrip("\n") == expected
     if path != QUICKSTART_VL:
         return  # the missing image's error does not depend on the family: one CLI start less
     missing = _cli("generate", str(tmp_path), "--image", str(tmp_path / "nope.png"), "--prompt", "Hi")
     assert missing.returncode == 2 and "nope.png: file not found" in missing.stderr
-
-
-def test_llama_32_vision_is_refused_early_naming_the_family_why_and_whats_supported():
-    """A tiny mllama config (no download): refused when its config is built, the first step of
-    validate, plan and train (transformers builds it: the refusal is ours), instead of a text
-    model's error about the images' message fields."""
-    from ligertune.config.rules import model_problems
-
-    tiny = {
-        "model_type": "mllama",
-        "text_config": {
-            "vocab_size": 2052,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "cross_attention_layers": [1],
-            "pad_token_id": 0,
-        },
-        "vision_config": {
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_hidden_layers": 2,
-            "num_global_layers": 1,
-            "attention_heads": 2,
-            "image_size": 56,
-            "patch_size": 14,
-            "vision_output_dim": 64,
-            "intermediate_layers_indices": [0],
-        },
-    }
-    recipe = _recipe("model.config=" + json.dumps(tiny))
-    with pytest.raises(RecipeError) as refused:
-        build_config(recipe)
-    (line,) = refused.value.problems
-    assert line.startswith("model.config: Llama 3.2 Vision (mllama) is not supported yet")
-    assert "cross-attention layers" in line and "tiles each image" in line
-    assert "Supported vision-language model types: gemma3, qwen2_5_vl, qwen3_vl" in line
-    assert line in model_problems(recipe)  # ligertune validate
-    with pytest.raises(RecipeError, match="mllama"):
-        build_model(recipe, torch.device("cpu"), empty=True)
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from ligertune.paths import ASSETS_DIR
 from tests.helpers import ROOT
 
 QUICKSTART_VL = ROOT / "recipes" / "quickstart-vl.yaml"
+QUICKSTART_VL_MLLAMA = ROOT / "recipes" / "quickstart-vl-mllama.yaml"
 ROWS = 6
 
 
@@ -35,9 +36,9 @@ def sample(tmp_path):
     return path
 
 
-def _build(tmp_path, sample, *overrides: str):
+def _build(tmp_path, sample, *overrides: str, path=QUICKSTART_VL):
     recipe = load_recipe(
-        QUICKSTART_VL,
+        path,
         [f"data.path={sample}", f"data.cache_dir={tmp_path / 'cache'}", "data.shuffle=false", *overrides],
     )
     vision = vision_tower(recipe)
@@ -82,6 +83,18 @@ def test_a_second_build_reads_the_same_tensors_from_the_cache_without_opening_an
     # data.cache: false reads the images again (and now finds them broken), writing nothing.
     with pytest.raises(DataError, match="rows.jsonl, row 0: image vl_images/00.png: cannot be read"):
         _build(tmp_path, sample, "data.validation_fraction=0.3", "data.cache=false")
+
+
+def test_llama_32_visions_tiles_and_spans_come_back_from_the_cache(tmp_path, sample):
+    """Its samples' tensors (tiles [images, tiles, 3, H, W], aspect ratio ids and mask, the
+    cross-attention spans) are stored by name as any others: the second build reads them back."""
+    first, _ = _build(tmp_path, sample, path=QUICKSTART_VL_MLLAMA)
+    assert {"pixel_values", "aspect_ratio_ids", "aspect_ratio_mask", "cross_attention_spans"} <= set(
+        first.train[0]
+    )
+    second, log = _build(tmp_path, sample, path=QUICKSTART_VL_MLLAMA)
+    assert "loaded 6 processed samples from cache" in log
+    _assert_same(first.train, second.train)
 
 
 def test_cache_off_builds_in_memory_and_writes_nothing(tmp_path, sample):

@@ -405,6 +405,44 @@ SHIPPED_CONFIGS: dict[str, dict[str, Any]] = {
         eoi_token_index=2051,
         image_token_index=2052,
     ),
+    # Llama 3.2 Vision in miniature: three language-model layers, the middle one cross-attention
+    # (as the checkpoints interleave one every fifth layer), a vision tower of two local and one
+    # global encoder layer over 56×56 tiles (16 patches + the class token each, up to 2 tiles),
+    # whose projector reads the last state and the two intermediate layers' outputs
+    # (vision_output_dim = 3 × 64).
+    "tiny-mllama": dict(
+        model_type="mllama",
+        text_config=dict(
+            vocab_size=2051,  # the bundled tokenizer and Llama 3's three turn tokens (ligertune://vl_processor_mllama)
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            hidden_size=128,
+            intermediate_size=352,
+            num_hidden_layers=3,
+            cross_attention_layers=[1],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+        ),
+        vision_config=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_global_layers=1,
+            attention_heads=2,
+            image_size=56,
+            patch_size=14,
+            max_num_tiles=2,
+            # The image processor's arrangements of at most 2 tiles, in its order (aspect_ratio_ids).
+            supported_aspect_ratios=[[1, 1], [1, 2], [2, 1]],
+            intermediate_layers_indices=[0, 1],
+            vision_output_dim=192,
+        ),
+        image_token_index=2051,  # <|image|>: one past the text vocabulary, as in the checkpoints
+    ),
     "qwen2.5-vl-7b": dict(
         model_type="qwen2_5_vl",
         text_config=dict(

@@ -9,7 +9,8 @@ families and matters to a kernel is a field here:
   where ``x̂ = x / sqrt(mean(x²) + eps)``. The name of the eps attribute differs as well.
 * the decoder layer class, the unit of activation checkpointing, compile and FSDP2 sharding
   (a multimodal model also has vision blocks in ``_no_split_modules``; this names the
-  language model's);
+  language model's), and any other layer class in the same stack (Mllama interleaves
+  cross-attention layers with its self-attention layers: ``other_decoder_layers``);
 * the attention class, whose forward calls the modeling module's ``apply_rotary_pos_emb``
   (Phi3's version rotates only the first ``cos.shape[-1]`` channels: partial rotary);
 * the gated MLP class, whether gate and up come from one fused projection (Phi3's
@@ -98,7 +99,16 @@ class VisionTower:
     ``rope_note`` is what the patch report says of the family's rotary embeddings (the language
     model's multimodal one, the tower's own). ``attention`` is the tower's attention class when
     it attends within ``cu_seqlens`` segments (images, windows) one call per segment, which the
-    ``vision_attention`` kernel turns into one call per layer (None: SigLIP's whole-image call)."""
+    ``vision_attention`` kernel turns into one call per layer (None: SigLIP's whole-image call).
+
+    ``cross_attention``: the language model reads the image features through cross-attention
+    layers between its decoder layers (Llama 3.2 Vision) instead of image tokens among the text.
+    The text then holds ``image_token`` once per image, never expanded; the image processor tiles
+    each image (``pixel_values`` [images, tiles, 3, H, W], ``aspect_ratio_ids``,
+    ``aspect_ratio_mask``), and each text token's ``cross_attention_mask`` says which images (and
+    their tiles) it sees: from its image's token on, up to the next image's (the processor's rule,
+    applied when a batch is collated). ``token_type_key`` is then None: the model takes no token
+    types."""
 
     tower: str
     projectors: tuple[str, ...]
@@ -112,8 +122,9 @@ class VisionTower:
     placeholder: str | None = None
     image_sequence: str = "{tokens}"
     tokens_per_image_attr: str | None = None  # None: one token per merged patch (image_grid_thw)
-    token_type_key: str = "mm_token_type_ids"
+    token_type_key: str | None = "mm_token_type_ids"
     attention: str | None = None
+    cross_attention: bool = False
 
 
 @dataclass(frozen=True)
@@ -125,7 +136,7 @@ class Family:
     norm_casting: str  # "llama": cast x̂ to the input dtype before the weight; "gemma": all in fp32
     norm_eps_attr: str
     decoder_layer: str
-    attention: str
+    attention: str  # the self-attention (Mllama's cross-attention layers have no RoPE)
     mlp: str | None  # the dense gated MLP (None: Mixtral and GPT-OSS have none outside the experts)
     causal_lm: str
     mlp_act_attr: str = "act_fn"
@@ -134,6 +145,9 @@ class Family:
     rope_half_cos: bool = False  # GPT-OSS: cos/sin hold half the rotary width, reused for both halves
     experts: Experts | None = None  # mixture-of-experts families only
     vision: VisionTower | None = None  # a vision-language family's vision tower and projector
+    # Decoder layer classes interleaved with ``decoder_layer`` in the same stack (Mllama's
+    # cross-attention layers): units of checkpointing, compile and FSDP2 as it is.
+    other_decoder_layers: tuple[str, ...] = ()
 
     def resolve(self, name: str) -> type:
         """The class (or function) called `name` in this family's modeling module."""
@@ -329,28 +343,38 @@ FAMILIES: dict[str, Family] = {
                 rope_note=MROPE_NOTE,
             ),
         ),
+        # Llama 3.2 Vision: the language model (MllamaTextModel) is Llama's with cross-attention
+        # layers between its self-attention layers. The RMSNorm (both layer kinds' norms, the
+        # cross-attention's q_norm/k_norm, the final norm) is Llama's; the MLP is Llama's SwiGLU in
+        # both layer kinds; only the self-attention rotates (plain rotate-half), the cross-attention
+        # has no RoPE; the tanh gates on the cross-attention layers' outputs stay HF's (they
+        # multiply outside the kernels). The vision tower (a local and a global encoder of
+        # MllamaVisionEncoderLayer) normalises with nn.LayerNorm (the layer_norm kernel) and has an
+        # ungated GELU MLP (no kernel of ours); the projector is one Linear.
+        _llama_like(
+            "mllama",
+            "MllamaText",
+            package="mllama",
+            decoder_layer="MllamaSelfAttentionDecoderLayer",
+            other_decoder_layers=("MllamaCrossAttentionDecoderLayer",),
+            attention="MllamaTextSelfAttention",
+            causal_lm="MllamaForConditionalGeneration",
+            vision=VisionTower(
+                tower="model.vision_model",
+                projectors=("model.multi_modal_projector",),
+                language_model="model.language_model",
+                block="MllamaVisionEncoderLayer",
+                mlp=None,
+                image_processor="transformers.models.mllama.image_processing_pil_mllama.MllamaImageProcessorPil",
+                image_token="<|image|>",
+                vision_tokens=("<|image|>",),
+                rope_note=(
+                    "rope: the self-attention layers' kernel rotates Llama's cos/sin; the cross-attention "
+                    "layers and the vision tower have no RoPE"
+                ),
+                token_type_key=None,
+                cross_attention=True,
+            ),
+        ),
     )
 }
-
-# Vision-language model types transformers knows and the table does not cover yet, and why: a
-# recipe naming one is refused as soon as its config is built
-# (`ligertune.models.config.build_config`), before a text-model path could fail on its images in
-# less clear words.
-NOT_SUPPORTED_VISION = {
-    "mllama": (
-        "Llama 3.2 Vision (mllama) is not supported yet: its images enter the language model through "
-        "cross-attention layers between the decoder layers (the vision features are attended to, not "
-        "inserted among the text as image tokens), and its processor tiles each image with aspect-ratio "
-        "ids; neither is what the vision-language path does"
-    ),
-}
-
-
-def not_supported_vision(model_type: str | None) -> str | None:
-    """Why a vision-language model type is refused (`NOT_SUPPORTED_VISION`), naming the supported
-    families; None for any other type."""
-    reason = NOT_SUPPORTED_VISION.get(model_type)
-    if reason is None:
-        return None
-    supported = ", ".join(t for t, f in FAMILIES.items() if f.vision is not None)
-    return f"{reason}. Supported vision-language model types: {supported} (docs/vision.md)"

@@ -20,7 +20,11 @@ class VisionShape:
     carry: Qwen-VL's ``data.image_max_pixels`` in patches of ``patch_size``², merged
     ``merge``² to a token; Gemma 3's fixed ``mm_tokens_per_image`` over its fixed
     ``image_size``. None where the recipe sets no bound (Qwen-VL without
-    ``data.image_max_pixels``: the image processor's own bound, which the plan does not read)."""
+    ``data.image_max_pixels``: the image processor's own bound, which the plan does not read).
+    Llama 3.2 Vision (a cross-attention family): ``max_num_tiles`` tiles of ``image_size``², each
+    its patches and a class token, padded to a multiple of 8 as its tower pads them; its text
+    holds one token per image, which bounds nothing, so ``images_per_row`` is an assumption of one
+    image per row (None: as many as the row's tokens hold)."""
 
     layers: int
     hidden: int
@@ -31,6 +35,7 @@ class VisionShape:
     tokens_per_image: int | None
     patches_per_image: int | None
     max_pixels: int | None = None  # data.image_max_pixels, where it bounds the image (for the plan's note)
+    images_per_row: int | None = None
 
 
 @dataclass(frozen=True)

@@ -13,20 +13,24 @@ Each sample is built in four steps, all with the model's own tools:
    resized to between ``data.image_min_pixels`` and ``data.image_max_pixels`` pixels (the
    processor's own bounds when unset), ``pixel_values`` (one row per patch) and
    ``image_grid_thw``; Gemma 3: resized to the processor's fixed size, ``pixel_values``
-   [images, 3, H, W];
+   [images, 3, H, W]; Llama 3.2 Vision: tiled, ``pixel_values`` [images, tiles, 3, H, W],
+   ``aspect_ratio_ids`` and ``aspect_ratio_mask``;
 2. the conversation is rendered by the tokenizer's chat template, which writes one image
    placeholder per image, and split into trained and untrained text like a text conversation
    (`ligertune.data.chat.template_segments`: only assistant turns, with their end-of-turn token);
 3. each placeholder is replaced as the model's processor does (`expand_placeholders`): Qwen-VL's
    ``<|image_pad|>`` repeated once per merged patch of its image (``t·h·w / merge²``); Gemma 3's
    ``<start_of_image>`` by the image between blank lines, ``<start_of_image>``, the config's
-   ``mm_tokens_per_image`` ``<image_soft_token>`` and ``<end_of_image>``. transformers 5.17's
+   ``mm_tokens_per_image`` ``<image_soft_token>`` and ``<end_of_image>``; Llama 3.2 Vision's
+   ``<|image|>`` stays one token (its images are cross-attended). transformers 5.17's
    processor classes need torchvision, which a CPU install lacks; this is the one step of theirs
    we repeat;
 4. the segments are tokenised; labels are −100 outside assistant text and on every vision token
    (image tokens, vision start/end), and the family's token-type input (``mm_token_type_ids``;
    Gemma 3: ``token_type_ids``) marks the image tokens (1): Qwen-VL computes its 3-D rotary
-   positions from it, Gemma 3 lets each image's tokens attend to each other both ways.
+   positions from it, Gemma 3 lets each image's tokens attend to each other both ways. Llama 3.2
+   Vision takes no token types; its sample holds each image's text span instead
+   (``cross_attention_spans``), which `collate` turns into the batch's ``cross_attention_mask``.
 
 A sample longer than ``data.max_seq_len`` is dropped and counted, not cut: a cut through an
 image's tokens would leave the model more image features than placeholders. A broken or
@@ -101,16 +105,28 @@ class VisionProcessor:
     def image_token_id(self) -> int:
         return self.tokenizer.convert_tokens_to_ids(self.vision.image_token)
 
-    def token_types(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The model's input marking the image tokens of `ids` with 1, under the family's name for it."""
+    def image_token_inputs(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What a sample keeps of where its image tokens are: the model's input marking them with
+        1, under the family's name for it; for a cross-attention family (which takes no token
+        types), the images' text spans (`cross_attention_spans`) instead."""
+        if self.vision.cross_attention:
+            return cross_attention_spans(ids, self.image_token_id)
         return {self.vision.token_type_key: (ids == self.image_token_id).to(torch.int64)}
 
     def images(self, images: list) -> tuple[dict[str, torch.Tensor], list[int]]:
         """(the model's image inputs, each image's count of image tokens). Qwen-VL: pixel_values
         and image_grid_thw, one token per merged patch, ``t·h·w / merge²``; Gemma 3: pixel_values
-        at the processor's fixed size, ``tokens_per_image`` each."""
+        at the processor's fixed size, ``tokens_per_image`` each; Llama 3.2 Vision: its tiles
+        (pixel_values [images, max tiles, 3, H, W], zero past an image's own tiles),
+        aspect_ratio_ids [images] and aspect_ratio_mask [images, max tiles], one token each (the
+        processor's batch dimension, one row here, is dropped: `VisionLoader` pads the images
+        of a batch's rows to their most)."""
         if not images:
             return {}, []
+        if self.vision.cross_attention:
+            out = self.image_processor(images=[images], return_tensors="pt")
+            keys = ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask")
+            return {k: out[k][0] for k in keys}, [1] * len(images)
         if self.tokens_per_image is not None:
             # num_crops, the processor's other output, counts pan-and-scan crops: off (processor_from).
             pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
@@ -128,13 +144,15 @@ def load_processor(
     with the tokenizer `load_tokenizer` loaded. `tokens_per_image`: the model config's fixed count
     of image tokens for a family that has one (`VisionTower.tokens_per_image_attr`)."""
     data = recipe.data
-    if tokens_per_image is not None and (data.image_min_pixels or data.image_max_pixels):
-        raise RecipeError(
-            [
-                "data.image_min_pixels/image_max_pixels: this model resizes every image to its image "
-                f"processor's fixed size ({tokens_per_image} image tokens each); remove them"
-            ]
-        )
+    if data.image_min_pixels or data.image_max_pixels:
+        if tokens_per_image is not None:
+            fixed = f"resizes every image to its image processor's fixed size ({tokens_per_image} image tokens each)"
+        elif vision.cross_attention:
+            fixed = "tiles every image at its image processor's tile size (image_processor.max_image_tiles tiles at most)"
+        else:
+            fixed = None
+        if fixed:
+            raise RecipeError([f"data.image_min_pixels/image_max_pixels: this model {fixed}; remove them"])
     source = recipe.tokenizer.name_or_path or recipe.model.name_or_path
     key = "tokenizer.name_or_path" if recipe.tokenizer.name_or_path else "model.name_or_path"
     location = str(recipe.resolve(source)) if looks_local(source) else source
@@ -176,8 +194,11 @@ def prompt_inputs(processor: VisionProcessor, messages: list[dict], images: list
     text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     vision, counts = processor.images(images)
     [(text, _)] = expand_placeholders([(text, False)], processor.vision, counts, "--image")
-    ids = torch.tensor([processor.tokenizer(text, add_special_tokens=False)["input_ids"]])
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), **processor.token_types(ids), **vision}
+    ids = torch.tensor(processor.tokenizer(text, add_special_tokens=False)["input_ids"])
+    sample = {"input_ids": ids, "labels": ids, **processor.image_token_inputs(ids), **vision}
+    batch = collate([sample], pad_token_id=0)  # one row: nothing is padded
+    del batch["labels"]
+    return batch
 
 
 def data_problem(recipe: Recipe) -> str | None:
@@ -198,6 +219,35 @@ def data_problem(recipe: Recipe) -> str | None:
     if data.format != "chat":
         return f"data.format: {data.format}: a vision-language model trains on chat (messages) rows with image parts"
     return None
+
+
+def cross_attention_spans(ids: torch.Tensor, image_token_id: int) -> dict[str, torch.Tensor]:
+    """``cross_attention_spans`` [images, 2]: the text span (start, end) each image of a row is
+    seen from, by a cross-attention family's processor's rule (``MllamaProcessor``'s
+    ``get_cross_attention_token_mask``: from its image token up to the next image's, the last to
+    the end, −1 where the only image's span runs to the end of the padded text; consecutive
+    image tokens all reach the text after them). Kept per sample instead of the dense
+    ``cross_attention_mask`` [text, images, tiles], whose image count differs between rows and
+    which `collate` builds for the batch's padded length (`cross_attention_mask`). Nothing for a
+    row without images."""
+    from transformers.models.mllama.processing_mllama import get_cross_attention_token_mask
+
+    spans = get_cross_attention_token_mask(ids.tolist(), image_token_id)
+    return {"cross_attention_spans": torch.tensor(spans, dtype=torch.int64)} if spans else {}
+
+
+def cross_attention_mask(rows: list[dict[str, torch.Tensor]], length: int) -> torch.Tensor:
+    """The dense ``cross_attention_mask`` [B, length, images, max tiles] of rows with
+    ``cross_attention_spans`` (1: the token sees that tile of that image; a row's missing images
+    and an image's missing tiles 0), by the processor's own conversion
+    (``convert_sparse_cross_attention_mask_to_dense``), each image's tile count from its
+    ``aspect_ratio_mask``."""
+    from transformers.models.mllama.processing_mllama import convert_sparse_cross_attention_mask_to_dense
+
+    spans = [row["cross_attention_spans"].tolist() if "cross_attention_spans" in row else [] for row in rows]
+    tiles = [row["aspect_ratio_mask"].sum(-1).tolist() if "aspect_ratio_mask" in row else [] for row in rows]
+    max_tiles = next(row["aspect_ratio_mask"].shape[-1] for row in rows if "aspect_ratio_mask" in row)
+    return torch.from_numpy(convert_sparse_cross_attention_mask_to_dense(spans, tiles, max_tiles, length))
 
 
 def expand_placeholders(segments, vision: VisionTower, counts: list[int], where: str):
@@ -251,41 +301,65 @@ def encode_row(
     return {
         "input_ids": ids,
         "labels": torch.tensor(labels, dtype=torch.int64),
-        **processor.token_types(ids),
+        **processor.image_token_inputs(ids),
         **vision,
     }
 
 
 # A sample's per-token tensors (padded into [B, S]; the token types with 0, text); its other
-# tensors are its images' inputs, concatenated over the rows.
+# tensors are its images' inputs, concatenated over the rows, or for a cross-attention family
+# (`cross_attention_spans` in the sample) stacked per row.
 TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")
 
 
+def collate(rows: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Samples → one padded batch (`VisionLoader`; generation's prompt, one row)."""
+    longest = max(len(row["input_ids"]) for row in rows)
+    token_types = [k for k in TOKEN_TYPE_KEYS if any(k in row for row in rows)]
+    batch = {
+        "input_ids": torch.full((len(rows), longest), pad_token_id, dtype=torch.int64),
+        "labels": torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.int64),
+        "attention_mask": torch.zeros((len(rows), longest), dtype=torch.int64),
+        **{k: torch.zeros((len(rows), longest), dtype=torch.int64) for k in token_types},
+    }
+    for b, row in enumerate(rows):
+        n = len(row["input_ids"])
+        for name in ("input_ids", "labels", *token_types):
+            batch[name][b, :n] = row[name]
+        batch["attention_mask"][b, :n] = 1
+    with_images = [row for row in rows if "pixel_values" in row]
+    if not with_images:
+        return batch
+    if any("cross_attention_spans" in row for row in with_images):
+        # Cross-attention (Llama 3.2 Vision): each row's images [B, images, ...], padded to the
+        # batch's most as the processor pads a batch: zero pixels and aspect ratio id, and an
+        # aspect_ratio_mask of its first tile only (the processor's, so that the tower's
+        # attention over a padded image is not empty); no token sees a padded image.
+        most = max(len(row["pixel_values"]) for row in with_images)
+        for name in ("pixel_values", "aspect_ratio_ids", "aspect_ratio_mask"):
+            shape = next(row[name].shape[1:] for row in with_images)
+            batch[name] = torch.zeros((len(rows), most, *shape), dtype=with_images[0][name].dtype)
+            for b, row in enumerate(rows):
+                if name in row:
+                    batch[name][b, : len(row[name])] = row[name]
+        batch["aspect_ratio_mask"][..., 0] = 1
+        batch["cross_attention_mask"] = cross_attention_mask(rows, longest)
+        return batch
+    for name in [k for k in with_images[0] if k not in batch]:
+        batch[name] = torch.cat([row[name] for row in with_images])
+    return batch
+
+
 class VisionLoader(MicroBatchLoader):
-    """Padded micro-batches of `VisionRows`: input_ids, labels, attention_mask and the token
-    types [B, S]; the images of all rows concatenated (Qwen-VL: pixel_values [patches, D],
-    image_grid_thw [images, 3]; Gemma 3: pixel_values [images, 3, H, W]), in row order as the
-    model reads them. No position_ids: Qwen-VL computes its 3-D positions from the image tokens."""
+    """Padded micro-batches of `VisionRows` (`collate`): input_ids, labels, attention_mask and
+    the token types [B, S]; the images of all rows concatenated (Qwen-VL: pixel_values
+    [patches, D], image_grid_thw [images, 3]; Gemma 3: pixel_values [images, 3, H, W]), in row
+    order as the model reads them; Llama 3.2 Vision: per row (pixel_values [B, images, tiles, 3,
+    H, W], aspect_ratio_ids, aspect_ratio_mask) with the cross_attention_mask [B, S, images,
+    tiles]. No position_ids: Qwen-VL computes its 3-D positions from the image tokens."""
 
     def collate(self, rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        longest = max(len(row["input_ids"]) for row in rows)
-        token_types = [k for k in TOKEN_TYPE_KEYS if k in rows[0]]
-        batch = {
-            "input_ids": torch.full((len(rows), longest), self.pad_token_id, dtype=torch.int64),
-            "labels": torch.full((len(rows), longest), IGNORE_INDEX, dtype=torch.int64),
-            "attention_mask": torch.zeros((len(rows), longest), dtype=torch.int64),
-            **{k: torch.zeros((len(rows), longest), dtype=torch.int64) for k in token_types},
-        }
-        for b, row in enumerate(rows):
-            n = len(row["input_ids"])
-            for name in ("input_ids", "labels", *token_types):
-                batch[name][b, :n] = row[name]
-            batch["attention_mask"][b, :n] = 1
-        with_images = [row for row in rows if "pixel_values" in row]
-        if with_images:
-            for name in [k for k in with_images[0] if k not in batch]:
-                batch[name] = torch.cat([row[name] for row in with_images])
-        return batch
+        return collate(rows, self.pad_token_id)
 
 
 class VisionRows(list):
@@ -532,8 +606,8 @@ class _Encoder:
 
 
 def _image_count(sample: dict[str, torch.Tensor]) -> int:
-    """Qwen-VL: one image_grid_thw row per image (pixel_values holds patches); Gemma 3: one
-    pixel_values entry per image."""
+    """Qwen-VL: one image_grid_thw row per image (pixel_values holds patches); Gemma 3 and Llama
+    3.2 Vision: one pixel_values entry per image."""
     if "image_grid_thw" in sample:
         return len(sample["image_grid_thw"])
     return len(sample.get("pixel_values", ()))

@@ -284,11 +284,15 @@ def check_vocab(model: nn.Module, tokenizer: Any) -> None:
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks of the language model: the family table's decoder layer
-    class (`ligertune.catalog.families`), else the class names the model itself declares as its
+    class and any interleaved with it (`ligertune.catalog.families`: Mllama's cross-attention
+    layers), else the class names the model itself declares as its
     units of sharding (``_no_split_modules``, e.g. LlamaDecoderLayer), which for a multimodal
     model also name its vision blocks."""
     family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
-    names = {family.decoder_layer} if family else set(getattr(model, "_no_split_modules", None) or ())
+    if family is not None:
+        names = {family.decoder_layer, *family.other_decoder_layers}
+    else:
+        names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if not layers:
         raise RecipeError(

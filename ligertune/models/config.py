@@ -14,7 +14,6 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ligertune.catalog.architectures import SHIPPED_CONFIGS
-from ligertune.catalog.families import not_supported_vision
 from ligertune.errors import RecipeError, shown
 from ligertune.paths import looks_local
 
@@ -75,14 +74,8 @@ ROUTER_LOSS_FIELD = "output_router_logits"
 
 def build_config(recipe: Recipe):
     """The transformers config of the model to train, with the recipe's overrides and its
-    ``model.router_aux_loss`` applied. A vision-language type the family table refuses
-    (`ligertune.catalog.families.NOT_SUPPORTED_VISION`: mllama) is a recipe error here, the first
-    step of validate, plan and train."""
+    ``model.router_aux_loss`` applied."""
     config = _overridden_config(recipe)
-    refused = not_supported_vision(getattr(config, "model_type", None))
-    if refused:
-        key = "model.config" if recipe.model.config is not None else "model.name_or_path"
-        raise RecipeError([f"{key}: {refused}"])
     wanted = recipe.model.router_aux_loss
     if not hasattr(config, ROUTER_LOSS_FIELD):
         if wanted:

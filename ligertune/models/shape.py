@@ -124,7 +124,8 @@ def vision_shape(model: nn.Module, recipe: Recipe) -> VisionShape | None:
     they train (not under ``model.freeze: [vision]``, nor LoRA, which adapts the language model
     only); the largest image's patches and tokens: Gemma 3's fixed size and count, or Qwen-VL's
     ``data.image_max_pixels`` in merged patches (the processor resizes each side to a multiple of
-    ``patch_size × merge`` within that many pixels)."""
+    ``patch_size × merge`` within that many pixels); Llama 3.2 Vision's whole tiles, one image
+    assumed per row (`VisionShape`)."""
     family = FAMILIES.get(getattr(model.config, "model_type", None))
     if family is None or family.vision is None:
         return None
@@ -132,7 +133,14 @@ def vision_shape(model: nn.Module, recipe: Recipe) -> VisionShape | None:
     # By class name, as the patch report counts them: Gemma 3's SigLIP blocks live in another module.
     layers = sum(type(m).__name__ == record.block for m in model.get_submodule(record.tower).modules())
     fixed = tokens_per_image(model.config, record)
-    if fixed is not None:
+    images_per_row = None
+    if record.cross_attention:
+        # MllamaVisionModel: each tile's patches and its class token, padded to a multiple of 8.
+        per_tile = (config.image_size // config.patch_size) ** 2 + 1
+        per_tile += -per_tile % 8
+        patches = per_token = config.max_num_tiles * per_tile
+        tokens, max_pixels, images_per_row = 1, None, 1
+    elif fixed is not None:
         patches = (config.image_size // config.patch_size) ** 2
         per_token, tokens, max_pixels = patches // fixed, fixed, None
     else:
@@ -149,6 +157,7 @@ def vision_shape(model: nn.Module, recipe: Recipe) -> VisionShape | None:
         tokens_per_image=tokens,
         patches_per_image=patches,
         max_pixels=max_pixels,
+        images_per_row=images_per_row,
     )
 
 

@@ -43,9 +43,11 @@ from ligertune.catalog.objectives.sft import SFTOptions
 from ligertune.data.formats import IGNORE_INDEX
 from ligertune.objectives.base import Batch, Building, Objective, ObjectiveOutput
 
-# The last four are a vision-language model's (ligertune.data.vision): its images and which
+# The last seven are a vision-language model's (ligertune.data.vision): its images and which
 # tokens are image tokens (Qwen-VL computes its 3-D rotary positions from mm_token_type_ids,
-# Gemma 3 its bidirectional attention over an image's tokens from token_type_ids).
+# Gemma 3 its bidirectional attention over an image's tokens from token_type_ids); Llama 3.2
+# Vision's tiles (aspect_ratio_ids, aspect_ratio_mask) and which text tokens see which images
+# (cross_attention_mask).
 MODEL_INPUTS = (
     "input_ids",
     "labels",
@@ -56,6 +58,9 @@ MODEL_INPUTS = (
     "image_grid_thw",
     "mm_token_type_ids",
     "token_type_ids",
+    "aspect_ratio_ids",
+    "aspect_ratio_mask",
+    "cross_attention_mask",
 )
 
 

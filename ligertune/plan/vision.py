@@ -8,6 +8,10 @@ measurement:
   ``data.image_max_pixels``, Gemma 3's fixed size) as fit in a row. Without a bound on the image
   (Qwen-VL, ``data.image_max_pixels`` unset) the row is taken to be image tokens only, each
   ``merge²`` patches. Fewer or smaller images need less; `assumption` is the line the plan prints.
+  Llama 3.2 Vision's text holds one token per image, which bounds nothing: one image of all its
+  tiles per row is assumed (`VisionShape.images_per_row`), and said. The language model's
+  cross-attention over the image features (its keys and values, a few per cross-attention
+  layer) is not counted.
 - *Per patch and layer* (a block: norm → attention → norm → MLP, in the compute dtype): about
   eight hidden-sized tensors (both norms' inputs and outputs, q, k, v, the attention's output),
   and the MLP's intermediates (gated, as HF computes it: gate, up, the activation and the product;
@@ -34,7 +38,10 @@ from ligertune.plan.setting import Setting, checkpointed_layers, compute_bytes
 
 
 def images_per_row(v: VisionShape, s: Setting) -> int | None:
-    """The largest images a row of ``seq_len`` tokens holds (None: no bound on an image's size)."""
+    """The largest images a row of ``seq_len`` tokens holds (None: no bound on an image's size),
+    or the number assumed where the tokens bound nothing (`VisionShape.images_per_row`)."""
+    if v.images_per_row is not None:
+        return v.images_per_row
     return None if v.tokens_per_image is None else s.seq_len // v.tokens_per_image
 
 
@@ -94,6 +101,12 @@ def assumption(shape: ModelShape, s: Setting) -> str | None:
             f"vision tower ({v.layers} blocks, {how}): data.image_max_pixels is unset, so rows of "
             f"{s.seq_len} image tokens ({s.seq_len * v.patches_per_token:,} patches) are assumed, the "
             "most a row holds; set data.image_max_pixels for the bound the images really have"
+        )
+    if v.images_per_row is not None:
+        return (
+            f"vision tower ({v.layers} blocks, {how}): assumes {images} image{'s' if images != 1 else ''} of "
+            f"all its tiles ({v.patches_per_image:,} patches) per row: the text's one token per image bounds "
+            "nothing (more images need more); the cross-attention over the image features is not counted"
         )
     size = f"{v.max_pixels:,} pixels (data.image_max_pixels)" if v.max_pixels else "the model's fixed size"
     return (

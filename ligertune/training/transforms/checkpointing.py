@@ -41,9 +41,10 @@ from torch.utils.checkpoint import checkpoint
 
 from ligertune.errors import RecipeError
 
-# Recipe name → the decoder-layer attribute that holds it, the same in every family we patch
-# (transformers 5.17: Llama, Mistral, Qwen2, Qwen3, Gemma 1-3, Phi3 decoder layers).
-SUBMODULE_ATTRIBUTES = {"attention": "self_attn", "mlp": "mlp"}
+# Recipe name → the decoder-layer attributes that may hold it, the same in every family we patch
+# (transformers 5.17: Llama, Mistral, Qwen2, Qwen3, Gemma 1-3, Phi3 decoder layers; Mllama's
+# cross-attention layers hold their attention as ``cross_attn``): a layer's first one present.
+SUBMODULE_ATTRIBUTES = {"attention": ("self_attn", "cross_attn"), "mlp": ("mlp",)}
 
 
 def checkpointed_forward(forward: Callable) -> Callable:
@@ -75,12 +76,13 @@ def checkpoint_submodules(layers: list[nn.Module], modules: list[str], every: in
     chosen = layers[::every]
     for layer in chosen:
         for name in modules:
-            attribute = SUBMODULE_ATTRIBUTES[name]
-            submodule = getattr(layer, attribute, None)
+            attributes = SUBMODULE_ATTRIBUTES[name]
+            submodule = next((getattr(layer, a) for a in attributes if hasattr(layer, a)), None)
             if not isinstance(submodule, nn.Module):
                 raise RecipeError(
                     [
-                        f"training.activation_checkpointing_modules: {type(layer).__name__} has no {attribute} "
+                        f"training.activation_checkpointing_modules: {type(layer).__name__} has no "
+                        f"{' or '.join(attributes)} "
                         f"(its {name}); leave the modules empty to checkpoint whole layers"
                     ]
                 )
