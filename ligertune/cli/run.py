@@ -118,12 +118,6 @@ def plan(
         )
     budget, target = gpu_bytes(gpu_memory)
     result = run_plan(loaded, world, budget, console, target)
-    if shards > 1:
-        console.print(
-            f"note: parallel.context_parallel {shards}: the plan's context-parallel terms (a shard of "
-            "each row, the gathered K and V, the attention mask) are not measured on a GPU yet "
-            "(docs/distributed.md, Context parallelism)"
-        )
     if not result.fits:
         raise typer.Exit(2)
 

@@ -167,8 +167,9 @@ class Trainer:
         self.log(
             f"model {parts.model_class}, {parts.parameters / 1e6:.1f}M parameters, {training.precision} on "
             f"{runtime.device} ({runtime.strategy}, {runtime.world_size} process(es)); {parts.data.total_steps} "
-            f"steps of {training.micro_batch_size} × {training.gradient_accumulation_steps} × {runtime.world_size} "
+            f"steps of {training.micro_batch_size} × {training.gradient_accumulation_steps} × {runtime.data_world_size} "
             f"sequences of ≤ {recipe.data.max_seq_len} tokens"
+            + (f", each split over {runtime.sequence_shards} ranks" if runtime.sequence_shards > 1 else "")
         )
         for message in (auto_message, *parts.transform_reports.values(), runtime.notice, resumed_message):
             if message:
