@@ -393,7 +393,9 @@ class ProcessGroupRuntime(Runtime):
         loaded into CPU memory. A random init is made where the plain build makes it (this
         rank's device: CUDA and CPU draw different random numbers for the same seed) when it
         takes less than half of the GPU's free memory (`empty`, the meta model, says how
-        much); else on the CPU, and the run log says the weights differ from a one-GPU run's.
+        much); else it is held in CPU memory with its numbers drawn on the GPU module by module
+        (`draw_init_on`: the CPU's generator would take minutes at 70B), and the run log says
+        the weights differ from a one-GPU run's.
 
         `transforms` (what the training loop did to `empty` that changes its parameters: LoRA)
         then runs on it, as it runs after the build in the plain path. That is how the whole
@@ -405,18 +407,20 @@ class ProcessGroupRuntime(Runtime):
         if self._build_rng_state is not None:
             _set_rng_state(self._build_rng_state, self.device)
             self._build_rng_state = None
-        device = torch.device("cpu")
+        device, draw_on = torch.device("cpu"), None
         if recipe.model.config is not None and self.device.type == "cuda":
             needed = sum(p.numel() * p.element_size() for p in empty.parameters())
             free, _ = torch.cuda.mem_get_info(self.device)
             if needed < free // 2:
                 device = self.device
             else:
+                draw_on = self.device
                 self.notice = (
-                    f"sharded init: the random init ({needed / 2**30:.1f} GiB) was made on rank 0's CPU, not its "
-                    "GPU: same distribution, other random numbers than a one-GPU run of this recipe"
+                    f"sharded init: the random init ({needed / 2**30:.1f} GiB) was held in rank 0's CPU memory and "
+                    "drawn on its GPU one module at a time: same distribution, other random numbers than a "
+                    "one-GPU run of this recipe"
                 )
-        model = build_model(recipe, device)
+        model = build_model(recipe, device, draw_on=draw_on)
         if transforms is not None:
             model = transforms(model)
         self._init_rng_state = _rng_state(self.device)

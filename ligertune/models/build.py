@@ -42,14 +42,20 @@ def param_dtype(precision: str) -> torch.dtype:
     return torch.bfloat16 if precision == "bf16" else torch.float32
 
 
-def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
+def build_model(
+    recipe: Recipe, device: torch.device, *, empty: bool = False, draw_on: torch.device | None = None
+):
     """Load or randomly initialise the causal LM, its parameters materialised on `device`.
 
     ``empty=True`` builds the same architecture on the meta device instead: shapes and dtypes
     only, no memory, no weights read and no random numbers drawn (whatever the source). The
     sharded strategies use it (``parallel.sharded_init``) to shard the model before any rank
     holds it whole, then fill the shards (`ligertune.distributed.fsdp`). `device` still
-    decides the attention backend, so the empty model is the one a plain build would make."""
+    decides the attention backend, so the empty model is the one a plain build would make.
+
+    ``draw_on`` (a random init only): draw the init's random numbers on that device, one
+    module at a time, into a model held on `device` (`draw_init_on`): a sharded init's rank 0
+    builds a model too large for its GPU in CPU memory this way."""
     config = build_config(recipe)
     auto = auto_class(config)
     dtype = param_dtype(recipe.training.precision)
@@ -87,6 +93,13 @@ def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
             )
         except OSError as e:
             raise load_problem(recipe, "weights", e) from None
+    elif draw_on is not None and draw_on != device:
+        from transformers.initialization import no_init_weights
+
+        torch.manual_seed(recipe.seed)
+        with no_init_weights(), torch.device(device):
+            model = auto.from_config(config, **common)
+        draw_init_on(model, draw_on)
     else:
         torch.manual_seed(recipe.seed)
         with torch.device(device):
@@ -100,6 +113,48 @@ def build_model(recipe: Recipe, device: torch.device, *, empty: bool = False):
         text_config.use_cache = False
     _check_loss_kwargs(model)
     return model
+
+
+def draw_init_on(model: nn.Module, device: torch.device) -> None:
+    """Randomly initialise `model`, built without an init (transformers' ``no_init_weights``),
+    drawing the numbers on `device` one module at a time; every tensor stays where it lives.
+
+    Why: a random init on the CPU draws from a generator that runs on one core (1.75·10⁸
+    normal numbers a second on the CI machine), and a plain build draws twice (PyTorch's default
+    init as each layer is constructed, then transformers' init over it): over 10 minutes for a
+    70B model. On a GPU the
+    draws take seconds, and only the copies remain (each module's tensors there and back, one
+    module at a time, so the GPU holds one module's weights at most).
+
+    How: transformers' own initialisation (`init_weights`: its traversal of the modules, every
+    sub-model's `_init_weights`, then the weight tying) runs unchanged; each model's per-module
+    step is wrapped to move that module's own parameters and buffers to `device` first and back
+    after. The distribution is the plain build's; the numbers are not (other generator, and no
+    construction-time draws before them)."""
+    from transformers import PreTrainedModel
+
+    def drawn_on_device(initialise):
+        def step(module: nn.Module, *args, **kwargs) -> None:
+            tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+            home = tensors[0].device if tensors else None
+            if home is not None:
+                module._apply(lambda t: t.to(device), recurse=False)
+            try:
+                initialise(module, *args, **kwargs)
+            finally:
+                if home is not None:
+                    module._apply(lambda t: t.to(home), recurse=False)
+
+        return step
+
+    models = [m for m in model.modules() if isinstance(m, PreTrainedModel)]
+    for m in models:
+        m._initialize_weights = drawn_on_device(m._initialize_weights)
+    try:
+        model.init_weights()
+    finally:
+        for m in models:
+            del m._initialize_weights
 
 
 def trainable_prequantized(config) -> dict:
