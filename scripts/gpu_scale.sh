@@ -14,6 +14,13 @@
 # PART=table  each provider at its own best setting that fits (e2e_bench, auto checkpointing and
 #             micro-batch): eager, Liger, ours, ours + compile, ours + compile + FP8 tensorwise (its
 #             weights all-gathered in float8) and rowwise, and HF + compile + FP8 (the FP8 loss control).
+# PART=70b    Llama-3-70B shape, LoRA under FSDP2 (recipes/llama3-70b-alpaca-lora-bench.yaml): HF + peft,
+#             HF + peft + Liger, ours; 6 steps, 2 left out, 240 s an arm (~8 min).
+# PART=lora   Qwen3-30B-A3B LoRA under FSDP2 (HF + peft with transformers' grouped_mm experts against
+#             ours), then Llama-3-8B LoRA under FSDP2 (HF + peft, + Liger, ours) (~8 min).
+# PART=long   context parallelism: the Llama-3.2-1B shape on one 1,048,576-token row over every GPU
+#             (one step, its time includes the first step's compilation), then the Llama-3-8B
+#             shape at 32,768 tokens, FSDP2 alone against CP over every GPU (~9 min).
 #
 # Every arm: STEPS steps (default 8), the first WARMUP (3) left out of the rates, at most
 # ARM_TIMEOUT_S (170 s); arms that would start after BUDGET_S (480 s) are skipped. Results under
@@ -22,7 +29,7 @@ set -uo pipefail
 source "$(dirname "$0")/report_header.sh"
 
 : "${OUT:?set OUT to the folder for the results}"
-: "${PART:?set PART to diag, table or rest}"
+: "${PART:?set PART to diag, table, rest, 70b, lora or long}"
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-3}
@@ -36,7 +43,8 @@ start=$(date +%s)
 gpus=$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')
 left() { local l=$((BUDGET_S - ($(date +%s) - start))); echo $((l > 0 ? l : 0)); }
 
-# bench NAME PROVIDERS [overrides...]: one e2e_bench table on every GPU.
+# bench NAME PROVIDERS [overrides...]: one e2e_bench table on every GPU, of $RECIPE (the 8B
+# bench recipe unless the part sets another).
 bench() {
   local name=$1 providers=$2
   shift 2
@@ -69,6 +77,25 @@ elif [[ $PART == rest ]]; then
   bench zero3-buckets ligertune "${zero3[@]}" parallel.deepspeed.config=scripts/ds_zero3_prefetch.json
   bench zero3-liger liger "${zero3[@]}"
   tables=(liger-best eager-best zero3 zero3-buckets zero3-liger)
+elif [[ $PART == 70b ]]; then
+  RECIPE=recipes/llama3-70b-alpaca-lora-bench.yaml STEPS=6 WARMUP=2 ARM_TIMEOUT_S=240 BUDGET_S=560
+  bench 70b-lora eager,liger,ligertune
+  tables=(70b-lora)
+elif [[ $PART == lora ]]; then
+  RECIPE=recipes/qwen3-30b-a3b-alpaca-lora-bench.yaml STEPS=8 WARMUP=3 ARM_TIMEOUT_S=200 BUDGET_S=560
+  bench 30b-a3b-lora eager,ligertune
+  RECIPE=recipes/llama3-8b-alpaca-lora-bench.yaml
+  bench 8b-lora eager,liger,ligertune
+  tables=(30b-a3b-lora 8b-lora)
+elif [[ $PART == long ]]; then
+  RECIPE=recipes/llama3.2-1b-alpaca-bench.yaml STEPS=1 WARMUP=0 ARM_TIMEOUT_S=420 BUDGET_S=560
+  long=(parallel.context_parallel="$gpus" training.micro_batch_size=1 training.activation_checkpointing=full
+        model.attn_implementation=flex_attention --random-rows 1)
+  bench 1b-1m ligertune "${long[@]}" --seq-lens 1048576
+  RECIPE=recipes/llama3-8b-longctx-bench.yaml STEPS=5 WARMUP=2 ARM_TIMEOUT_S=150
+  bench 8b-32k-fsdp ligertune parallel.context_parallel=1 --seq-lens 32768 --random-rows 8
+  bench 8b-32k-cp ligertune --seq-lens 32768 --random-rows 8 parallel.context_parallel="$gpus"
+  tables=(1b-1m 8b-32k-fsdp 8b-32k-cp)
 else
   bench table eager,liger,ligertune,ligertune-compile,ligertune-compile-fp8-tensorwise,ligertune-compile-fp8,eager-compile-fp8 \
     training.activation_checkpointing=auto training.micro_batch_size=auto
