@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -316,10 +317,28 @@ LORA_SECTION = (
 )
 
 
+def train_ddp_and_fsdp_and_resume(common: list[str], tmp_path) -> dict[str, Path]:
+    """One torchrun launch of 2 gloo ranks: `common` with micro-batch 2 under ddp and under fsdp,
+    and each again resumed from its step-2 checkpoint; the run directories by name ("ddp",
+    "ddp-resumed", "fsdp", "fsdp-resumed")."""
+    from tests.test_distributed import launch_worker
+
+    runs, dirs = [], {}
+    for strategy in ("ddp", "fsdp"):
+        dirs[strategy] = tmp_path / strategy
+        straight = [*common, "training.micro_batch_size=2", f"parallel.strategy={strategy}"]
+        runs.append([*straight, f"output_dir={dirs[strategy]}"])
+        dirs[f"{strategy}-resumed"] = tmp_path / f"{strategy}-resumed"
+        step_2 = f"checkpoint.resume={dirs[strategy] / 'checkpoints' / 'step-2'}"
+        runs.append([*straight, f"output_dir={dirs[f'{strategy}-resumed']}", step_2])
+    launch_worker(runs, tmp_path)
+    return dirs
+
+
 @pytest.mark.slow
 def test_ddp_and_fsdp_match_one_process_with_lora_and_resume_exactly(tmp_path):
     from tests.helpers import QUICKSTART
-    from tests.test_distributed import FP32_RTOL, assert_losses_close, launch_worker
+    from tests.test_distributed import FP32_RTOL, assert_losses_close
 
     common = [
         *TINY,
@@ -334,15 +353,7 @@ def test_ddp_and_fsdp_match_one_process_with_lora_and_resume_exactly(tmp_path):
     ]
     one = tmp_path / "one"
     train(load_recipe(QUICKSTART, [*common, "training.micro_batch_size=4", f"output_dir={one}"]))
-    runs, dirs = [], {}
-    for strategy in ("ddp", "fsdp"):
-        dirs[strategy] = tmp_path / strategy
-        straight = [*common, "training.micro_batch_size=2", f"parallel.strategy={strategy}"]
-        runs.append([*straight, f"output_dir={dirs[strategy]}"])
-        dirs[f"{strategy}-resumed"] = tmp_path / f"{strategy}-resumed"
-        step_2 = f"checkpoint.resume={dirs[strategy] / 'checkpoints' / 'step-2'}"
-        runs.append([*straight, f"output_dir={dirs[f'{strategy}-resumed']}", step_2])
-    launch_worker(runs, tmp_path)
+    dirs = train_ddp_and_fsdp_and_resume(common, tmp_path)
     reference = _losses(one)
     for strategy in ("ddp", "fsdp"):
         assert_losses_close(_losses(dirs[strategy]), reference, FP32_RTOL, strategy)

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from ligertune.cli import app
+from ligertune.config import load_recipe
 from ligertune.config.schema import KernelsSection
 from ligertune.errors import RecipeError
 from ligertune.kernels import moe as moe_kernel
@@ -27,7 +28,7 @@ from ligertune.run.metrics import count_label
 from ligertune.training import train
 from ligertune.training.export import merged_directory
 from tests.helpers import QUICKSTART
-from tests.test_lora import lora_recipe
+from tests.test_lora import lora_recipe, train_ddp_and_fsdp_and_resume
 from tests.test_moe import moe_overrides, moe_recipe, tiny_moe
 from tests.test_patching import one_torch_thread, random_batch  # noqa: F401 - autouse fixture
 
@@ -50,10 +51,6 @@ EXPERTS = ["lora.r=4", "lora.dropout=0", "lora.target_parameters=experts"]
             "model.quantize: 4bit is not supported with lora.target_parameters",
         ),
         (["lora.target_parameters=[]"], "lora.target_parameters"),
-        (
-            ["lora.dropout=0", "parallel.strategy=fsdp"],
-            "lora.target_parameters: not supported with parallel.strategy fsdp",
-        ),
     ],
 )
 def test_recipe_errors(overrides, message):
@@ -223,3 +220,47 @@ def test_run_checkpoints_resume_and_exports(tmp_path):
         f"LoRA r=4: {count_label(total)} adapter parameters, {count_label(on_experts)} of them on the routed experts"
         in " ".join(plan.output.split())
     ), plan.output
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp_with_expert_adapters_match_one_process_resume_and_export(tmp_path):
+    """Expert adapters under ddp and fsdp (2 gloo ranks; fsdp with sharded init, the default):
+    the losses and gradient norms of one process, with our experts kernel; a resume from step 2
+    gives the same steps 3 and 4; fsdp's merged export (gathered from the shards) loads with
+    transformers and gives the one-process run's logits."""
+    from tests.test_distributed import FP32_RTOL, assert_losses_close, losses
+
+    section = (
+        "lora={r: 4, alpha: 8, dropout: 0, target_modules: [q_proj, v_proj], target_parameters: experts}"
+    )
+    common = [
+        *moe_overrides(tmp_path / "unused"),
+        section,
+        "kernels=all",
+        "kernels.rope=false",  # no adapter in it, and seconds a step under the interpreter
+        "logging.progress=plain",
+        "logging.log_every=1",
+        "data.validation_fraction=0.0",
+        "training.max_steps=4",
+        "training.warmup_steps=1",
+        "training.eval_every=null",
+        "checkpoint.every_steps=2",
+        "checkpoint.export_hf=true",
+        "export.merge_lora=true",
+    ]
+    one = tmp_path / "one"
+    train(load_recipe(QUICKSTART, [*common, "training.micro_batch_size=4", f"output_dir={one}"]))
+    dirs = train_ddp_and_fsdp_and_resume(common, tmp_path)
+    for strategy in ("ddp", "fsdp"):
+        assert_losses_close(losses(dirs[strategy]), losses(one), FP32_RTOL, strategy)
+        grad_norms = losses(dirs[strategy], key="grad_norm")
+        assert_losses_close(grad_norms, losses(one, key="grad_norm"), FP32_RTOL, f"{strategy} grad norm")
+        again, first = losses(dirs[f"{strategy}-resumed"]), losses(dirs[strategy])
+        assert sorted(again) == [3, 4] and all(again[s] == first[s] for s in (3, 4)), (strategy, again, first)
+    input_ids = torch.randint(3, 2000, (2, 12))
+    logits = {}
+    for name in ("one", "fsdp"):
+        merged = AutoModelForCausalLM.from_pretrained(merged_directory(tmp_path / name / "final")).eval()
+        with torch.no_grad():
+            logits[name] = merged(input_ids=input_ids).logits
+    torch.testing.assert_close(logits["fsdp"], logits["one"], rtol=1e-4, atol=1e-5)

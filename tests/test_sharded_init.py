@@ -285,17 +285,18 @@ def test_sharded_init_true_needs_a_sharding_strategy():
 
 def test_lora_shards_at_init_and_what_refuses_it():
     """LoRA no longer turns sharded init off under fsdp; what cannot shard with it is refused by
-    name: a quantised base (QLoRA) and adapters on the experts' 3-D weights under fsdp, and LoRA
-    under DeepSpeed at all."""
+    name: a quantised base (QLoRA) under fsdp, and LoRA under DeepSpeed at all. Adapters on the
+    experts' 3-D weights shard at init too (tests/test_moe_lora.py trains them under fsdp)."""
     lora = ["lora.r=4", "parallel.strategy=fsdp"]
     assert load_recipe(QUICKSTART, lora).parallel.shards_at_init is True
     assert load_recipe(QUICKSTART, [*lora, "parallel.sharded_init=true"]).parallel.shards_at_init is True
     assert load_recipe(QUICKSTART, [*lora, "parallel.sharded_init=false"]).parallel.shards_at_init is False
     refused = {
         "model.quantize=4bit": "model.quantize: not supported with parallel.strategy fsdp",
-        "lora.target_parameters=experts": "lora.target_parameters: not supported with parallel.strategy fsdp",
         "parallel.strategy=deepspeed": "lora: not supported with parallel.strategy deepspeed",
     }
+    experts = load_recipe(QUICKSTART, [*lora, "lora.dropout=0", "lora.target_parameters=experts"])
+    assert experts.parallel.shards_at_init is True
     for override, message in refused.items():
         with pytest.raises(RecipeError, match=message):
             load_recipe(QUICKSTART, [*lora, "parallel.sharded_init=true", "lora.dropout=0", override])

@@ -209,16 +209,10 @@ def _supporting(feature: str) -> str:
 
 @rule("parallel.supports")
 def _strategy_supports(recipe: Recipe) -> list[str]:
-    """The parallel strategy trains what the recipe asks: LoRA adapters (on the experts too), quantised weights, FP8 layers, a tiled MLP, bf16 weights, an objective that generates."""
+    """The parallel strategy trains what the recipe asks: LoRA adapters, quantised weights, FP8 layers, a tiled MLP, bf16 weights, an objective that generates."""
     parallel, strategy = recipe.parallel, recipe.parallel.strategy
     asked = [
         ("lora", recipe.lora is not None, "lora", "remove the lora section"),
-        (
-            "expert adapters",
-            recipe.lora is not None and recipe.lora.target_parameters is not None,
-            "lora.target_parameters",
-            "remove lora.target_parameters",
-        ),
         ("quantized", recipe.model.quantize != "none", "model.quantize", "set model.quantize=none"),
         ("fp8", recipe.training.fp8 != "none", "training.fp8", "set training.fp8=none"),
         (

@@ -131,8 +131,7 @@ class ParallelOptions(Section):
     # What it cannot do, and why: "lora" (adapters), "quantized" (bitsandbytes weights, QLoRA),
     # "fp8" (torchao's float8 layers), "bf16 weights" (training.precision bf16), "generation" (an
     # objective that generates its completions with the policy while it trains), "graphed
-    # generation" (that generation's decode step captured as a CUDA graph), "expert
-    # adapters" (lora.target_parameters: peft's adapters on 3-D parameters), "eval.tasks"
+    # generation" (that generation's decode step captured as a CUDA graph), "eval.tasks"
     # (lm-evaluation-harness on the trained model, which needs one process to hold all of it),
     # "context parallel" (``context_parallel`` > 1), "tiled mlp" (``training.tiled_mlp``: the MLP's
     # forward called again inside its backward).

@@ -75,10 +75,6 @@ class FSDPParallel(ParallelOptions):
     unsupported: ClassVar[dict[str, str]] = {
         "quantized": "quantised weights cannot be sharded",
         "eval.tasks": "the model is sharded over the processes",
-        # peft's adapters on 3-D weights move each targeted parameter under a parametrization
-        # for the length of every forward, while FSDP2 swaps the same parameter between its
-        # shard and the gathered tensor: never tried together.
-        "expert adapters": "untried with peft's parametrized expert weights",
         # The generation's decode captured as a CUDA graph (objective.generation_cache: static)
         # over the weights `Runtime.gathered` holds unsharded: FSDP2's forward hooks run inside
         # the capture, never tried.
