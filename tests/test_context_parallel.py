@@ -184,6 +184,60 @@ def test_flex_block_mask_attends_as_the_dense_mask():
         torch.testing.assert_close(got, expected)
 
 
+def _tiles(counts: torch.Tensor, indices: torch.Tensor, key_tiles: int) -> torch.Tensor:
+    """A BlockMask's ``[B, H, query tiles, key tiles]`` booleans from its counts and indices."""
+    listed = (torch.arange(indices.shape[-1]) < counts[..., None]).to(torch.int8)
+    dense = torch.zeros(*indices.shape[:-1], key_tiles, dtype=torch.int8)
+    return dense.scatter_reduce(-1, indices.long(), listed, "amax").bool()
+
+
+@pytest.mark.parametrize(("shards", "length"), [(2, 512), (4, 1536)])
+def test_tile_built_block_mask_covers_the_predicate(shards, length):
+    """The BlockMask built from tile bounds (S/N a multiple of 128): every tile holding an
+    attended pair is computed, a tile computed without the predicate holds only attended pairs,
+    and FlexAttention under it (eager, CPU) computes what SDPA computes under the dense mask. At
+    1536 over 4 shards the chunks (192 tokens) are not whole tiles, so tiles straddle two chunks.
+    Row 0 packs documents of uneven lengths, row 1 is one document; for one document and tiles
+    within a chunk the tiles are exactly create_block_mask's."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    generator = torch.Generator().manual_seed(shards)
+    cuts = torch.sort(torch.randperm(length - 1, generator=generator)[:7] + 1).values.tolist()
+    lengths = [b - a for a, b in zip([0, *cuts], [*cuts, length], strict=True)]
+    packed = torch.cat([torch.arange(n) for n in lengths])
+    positions = torch.stack([packed, torch.arange(length)])
+    query = torch.randn(2, 4, length // shards, 16, generator=generator)
+    key, value = (torch.randn(2, 2, length, 16, generator=generator) for _ in range(2))
+    tile_count = length // 128
+    for rank in range(shards):
+        dense = shard_mask(positions, shards, rank, flex=False)
+        blocks = shard_mask(positions, shards, rank, flex=True)
+        partial = _tiles(blocks.kv_num_blocks, blocks.kv_indices, tile_count)
+        full = _tiles(blocks.full_kv_num_blocks, blocks.full_kv_indices, tile_count)
+        tiled = dense.unflatten(2, (-1, 128)).unflatten(4, (-1, 128))  # [B, 1, qt, 128, kt, 128]
+        assert not (tiled.any(dim=(3, 5)) & ~(partial | full)).any(), "an attended tile is skipped"
+        assert not (full & ~tiled.all(dim=(3, 5))).any(), "a tile computed without the mask has masked pairs"
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=dense, enable_gqa=True
+        )
+        got = flex_attention(query, key, value, block_mask=blocks, enable_gqa=True)
+        torch.testing.assert_close(got, expected)
+        if shards == 2:
+            queries, keys = zigzag_positions(length, shards, rank), gathered_order(length, shards)
+            exact = create_block_mask(
+                lambda b, h, q, kv, queries=queries, keys=keys: queries[q] >= keys[kv],
+                1,
+                None,
+                len(queries),
+                length,
+                device="cpu",
+            )
+            assert torch.equal(partial[1], _tiles(exact.kv_num_blocks, exact.kv_indices, tile_count)[0])
+            assert torch.equal(
+                full[1], _tiles(exact.full_kv_num_blocks, exact.full_kv_indices, tile_count)[0]
+            )
+
+
 def test_world_size_must_be_a_multiple():
     recipe = load_recipe(QUICKSTART, ["parallel.strategy=ddp", "parallel.context_parallel=2"])
     with pytest.raises(LaunchError, match="parallel.context_parallel: 2 does not divide the 3 processes"):
@@ -211,12 +265,18 @@ def test_refused_combinations_name_the_key(overrides, message):
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_flex_attention_and_nccl_on_two_gpus_match_one(tmp_path):
-    """The GPU path: FlexAttention under the compiled BlockMask, the reduce-scatter backward of
-    the K/V all-gather over NCCL, and every Triton kernel, on packed rows of 999 tokens; fp32
-    (TF32 off, torch's default), context_parallel 2 × fsdp against one GPU."""
+@pytest.mark.parametrize("length", [999, 1024])
+def test_flex_attention_and_nccl_on_two_gpus_match_one(tmp_path, length):
+    """The GPU path: FlexAttention under the shard's BlockMask (999 tokens: 500 a shard, built by
+    the compiled create_block_mask; 1024: 512 a shard, built from its tiles), the reduce-scatter
+    backward of the K/V all-gather over NCCL, and every Triton kernel, on packed rows; fp32 (TF32
+    off, torch's default), context_parallel 2 × fsdp against one GPU."""
     common = TINY + TWO_STEPS
-    common += ["training.device=cuda", "model.attn_implementation=flex_attention", "data.max_seq_len=999"]
+    common += [
+        "training.device=cuda",
+        "model.attn_implementation=flex_attention",
+        f"data.max_seq_len={length}",
+    ]
     common += ["kernels=all"]
     train(load_recipe(QUICKSTART, common + [f"output_dir={tmp_path / 'one'}"]))
     split = ["parallel.strategy=fsdp", "parallel.context_parallel=2"]

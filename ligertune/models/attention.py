@@ -281,12 +281,20 @@ def segment_block_mask(cu_seqlens: torch.Tensor, padded: int) -> BlockMask:
     single = first == last
     full = single[:, None] & single[None, :] & (first[:, None] == first[None, :])
     partial = touching & ~full
+    return _tile_block_mask(partial[None], full[None], same_document(ids[None]), (padded, padded))
+
+
+def _tile_block_mask(
+    partial: torch.Tensor, full: torch.Tensor, mask_mod: Callable, seq_lengths: tuple[int, int]
+) -> BlockMask:
+    """A `BlockMask` from ``[B, query tiles, key tiles]`` booleans: the tiles computed with
+    `mask_mod` (`partial`) and those computed without it (`full`). BlockMask's layout: per query
+    tile, how many key tiles, and their indices first."""
 
     def ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Per query tile: how many key tiles, and their indices first (BlockMask's layout).
         count = dense.sum(-1, dtype=torch.int32)
         indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-        return count[None, None], indices[None, None]
+        return count[:, None], indices[:, None]
 
     kv_num_blocks, kv_indices = ordered(partial)
     full_kv_num_blocks, full_kv_indices = ordered(full)
@@ -296,8 +304,8 @@ def segment_block_mask(cu_seqlens: torch.Tensor, padded: int) -> BlockMask:
         full_kv_num_blocks,
         full_kv_indices,
         BLOCK_SIZE=FLEX_BLOCK,
-        mask_mod=same_document(ids[None]),
-        seq_lengths=(padded, padded),
+        mask_mod=mask_mod,
+        seq_lengths=seq_lengths,
     )
 
 
@@ -455,8 +463,10 @@ def shard_mask(row_positions: torch.Tensor, shards: int, rank: int, flex: bool) 
     """The mask of shard `rank`'s queries ``[B, S/N]`` against the keys of all shards as
     `gather_sequence` orders them ``[B, S]`` (module docstring), from the whole rows' position
     ids ``[B, S]``: key index ≤ query index, same document (`document_ids`). A dense boolean
-    ``[B, 1, S/N, S]`` for SDPA, or with `flex` a `BlockMask` of the same predicate (compiled
-    on CUDA, where it is evaluated per tile without materialising the dense mask)."""
+    ``[B, 1, S/N, S]`` for SDPA, or with `flex` a `BlockMask` of the same predicate: built from
+    its 128 × 128 tiles' bounds when S/N is a multiple of 128 ((S/N/128) · (S/128) comparisons,
+    no compilation: at a million tokens evaluating every pair would be 10¹¹ predicate calls),
+    else by ``create_block_mask`` (compiled on CUDA)."""
     batch, length = row_positions.shape
     device = row_positions.device
     documents = document_ids(row_positions)
@@ -470,9 +480,32 @@ def shard_mask(row_positions: torch.Tensor, shards: int, rank: int, flex: bool) 
     def mask_mod(b, head, q, kv):
         return (query_index[q] >= key_index[kv]) & (query_documents[b, q] == key_documents[b, kv])
 
-    return create_block_mask(
-        mask_mod, batch, None, len(query_index), length, device=device, _compile=device.type == "cuda"
-    )
+    if len(query_index) % FLEX_BLOCK:
+        return create_block_mask(
+            mask_mod, batch, None, len(query_index), length, device=device, _compile=device.type == "cuda"
+        )
+
+    # Tile by tile, without evaluating the S²/N (query, key) pairs: a tile's positions are those
+    # of one or two chunks, so their smallest and largest position and document bound it. No
+    # pair of a tile is causal when its smallest key comes after its largest query, every pair
+    # is when its largest key comes at or before its smallest query; no pair shares a document
+    # when the document ranges do not overlap (documents never decrease along the row), every
+    # pair does when both tiles hold one and the same document. A tile that is neither empty
+    # nor full is computed with the predicate.
+    def bounds(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tiles = values.unflatten(-1, (-1, FLEX_BLOCK))
+        return tiles.amin(-1), tiles.amax(-1)
+
+    (q_first, q_last), (k_first, k_last) = bounds(query_index), bounds(key_index)
+    (qd_first, qd_last), (kd_first, kd_last) = bounds(query_documents), bounds(key_documents)
+    causal_some = k_first[None, :] <= q_last[:, None]
+    causal_all = k_last[None, :] <= q_first[:, None]
+    same_some = (kd_first[:, None, :] <= qd_last[:, :, None]) & (qd_first[:, :, None] <= kd_last[:, None, :])
+    one_document = (qd_first == qd_last)[:, :, None] & (kd_first == kd_last)[:, None, :]
+    same_all = one_document & (qd_first[:, :, None] == kd_first[:, None, :])
+    full = causal_all[None] & same_all
+    partial = causal_some[None] & same_some & ~full
+    return _tile_block_mask(partial, full, mask_mod, (len(query_index), length))
 
 
 def context_parallel_attention(
