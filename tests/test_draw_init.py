@@ -74,7 +74,9 @@ def test_drawn_init_has_the_plain_builds_distribution(model_type):
     assert all("_initialize_weights" not in vars(m) for m in drawn.modules())
 
 
-@pytest.mark.parametrize("architecture", ["tiny-qwen2.5-vl", "tiny-mllama"])
+@pytest.mark.parametrize(
+    "architecture", ["tiny-qwen2.5-vl", "tiny-qwen3-vl", "tiny-gemma3-vl", "tiny-mllama"]
+)
 def test_drawn_init_of_vision_language_models(architecture):
     """Composite models: a sub-model (vision tower, language model) dispatches its own init."""
     recipe = load_recipe(QUICKSTART, [f"model.config={architecture}", "training.precision=fp32"])
