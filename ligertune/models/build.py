@@ -122,9 +122,8 @@ def draw_init_on(model: nn.Module, device: torch.device) -> None:
     Why: a random init on the CPU draws from a generator that runs on one core (1.75·10⁸
     normal numbers a second on the CI machine), and a plain build draws twice (PyTorch's default
     init as each layer is constructed, then transformers' init over it): over 10 minutes for a
-    70B model. On a GPU the
-    draws take seconds, and only the copies remain (each module's tensors there and back, one
-    module at a time, so the GPU holds one module's weights at most).
+    70B model. On a GPU the draws take seconds, and only the copies remain (each module's
+    tensors there and back, one module at a time, so the GPU holds one module's weights at most).
 
     How: transformers' own initialisation (`init_weights`: its traversal of the modules, every
     sub-model's `_init_weights`, then the weight tying) runs unchanged; each model's per-module
