@@ -22,9 +22,13 @@ a provider that fails (out of memory, error, timeout) is not tried at longer len
 report gives, per provider, the longest length that ran, and ``e2e.png`` plots throughput and
 peak memory against the length. A packed row shorter than the length is padded to it, so each
 row holds exactly ``max_seq_len`` tokens of work. At lengths longer than the bundled sample
-(37k tokens) use ``--random-rows N``: N rows of random token ids as long as the longest length,
-written to ``<out>/random-tokens.jsonl`` and trained unpacked (every position a label), so that
-each row is one causal sequence and attention needs no packed-sample mask. For vision-language
+(37k tokens) use ``--random-rows N``: N rows of random token ids as long as the longest length
+(the recipe's ``max_seq_len`` without ``--seq-lens``), written to ``<out>/random-tokens.jsonl``
+and trained unpacked (every position a label), so that each row is one causal sequence and attention needs no packed-sample mask. For preference
+objectives (``objective.name=dpo`` among the overrides), ``--random-pairs N`` writes N preference
+rows of random words (``<out>/random-pairs.jsonl``): a prompt of length/8 words and two
+different responses of `length` words each, so that truncation (`ligertune.data.preference`)
+fills both sequences of every pair to exactly ``max_seq_len`` tokens. For vision-language
 recipes, ``--image-rows N`` writes N chat rows of ``--images-per-row`` bundled images each
 (``<out>/image-rows.jsonl``); the recipe's image pixel bounds set their size in tokens.
 
@@ -41,15 +45,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from ligertune.tools.providers import DEFAULT_PROVIDERS, PROVIDERS
 
 
-def run_provider(provider: str, name: str, args, overrides: list[str]) -> dict:
-    """One arm: `provider` on the recipe with `overrides`, in `args.out / name`."""
+def run_provider(provider: str, name: str, args, overrides: list[str], timeout: float) -> dict:
+    """One arm: `provider` on the recipe with `overrides`, in `args.out / name`, stopped after
+    `timeout` seconds."""
     from ligertune.tools.compare.plan import ArmSpec, arm_recipe_overrides, make_plan
     from ligertune.tools.compare.runner import run_arm_process
 
@@ -62,7 +69,7 @@ def run_provider(provider: str, name: str, args, overrides: list[str]) -> dict:
     plan = make_plan(
         Path(args.recipe), overrides, steps=args.steps, out=args.out, nproc_per_node=args.nproc_per_node
     )
-    result = run_arm_process(spec, plan, timeout=args.timeout)
+    result = run_arm_process(spec, plan, timeout=timeout)
     return {"provider": provider, **result}
 
 
@@ -74,6 +81,28 @@ def random_token_data(path: Path, rows: int, length: int) -> list[str]:
     ids = np.random.default_rng(0).integers(0, 2048, size=(rows, length))
     path.write_text("".join(json.dumps({"input_ids": row.tolist()}) + "\n" for row in ids))
     return ["data.format=pretokenized", f"data.path={json.dumps(str(path.resolve()))}", "data.packing=false"]
+
+
+def random_pair_data(path: Path, rows: int, length: int) -> list[str]:
+    """Write `rows` preference rows (prompt, chosen, rejected) of random lowercase words, each
+    response at least `length` tokens long (a word is at least one token, its leading space
+    included), the prompt length/8 words; the overrides that train on them."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+
+    def words(n: int) -> str:
+        sizes = rng.integers(2, 8, size=n)
+        return " ".join("".join(rng.choice(letters, size=k)) for k in sizes)
+
+    lines = [
+        json.dumps({"prompt": words(max(length // 8, 1)), "chosen": " " + words(length),
+                    "rejected": " " + words(length)}) + "\n"
+        for _ in range(rows)
+    ]  # fmt: skip
+    path.write_text("".join(lines))
+    return ["data.format=preference", f"data.path={json.dumps(str(path.resolve()))}", "data.packing=false"]
 
 
 def image_chat_data(path: Path, rows: int, images_per_row: int) -> list[str]:
@@ -93,6 +122,19 @@ def image_chat_data(path: Path, rows: int, images_per_row: int) -> list[str]:
         lines.append(json.dumps({"messages": messages}) + "\n")
     path.write_text("".join(lines))
     return ["data.format=chat", f"data.path={json.dumps(str(path.resolve()))}", "data.packing=false"]
+
+
+def synthetic_data(args, directory: Path, length: int) -> list[str]:
+    """Write the data of ``--random-rows``, ``--random-pairs`` and ``--image-rows`` into
+    `directory` (rows of `length` tokens); the overrides that train on it."""
+    overrides = []
+    if args.random_rows:
+        overrides += random_token_data(directory / "random-tokens.jsonl", args.random_rows, length)
+    if args.random_pairs:
+        overrides += random_pair_data(directory / "random-pairs.jsonl", args.random_pairs, length)
+    if args.image_rows:
+        overrides += image_chat_data(directory / "image-rows.jsonl", args.image_rows, args.images_per_row)
+    return overrides
 
 
 def _fmt(value, spec: str, suffix: str = "") -> str:
@@ -234,10 +276,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/e2e"))
     parser.add_argument("--timeout", type=float, default=600, help="seconds per arm")
     parser.add_argument(
-        "--time-budget", type=float, default=None, help="arms not started by then are skipped"
+        "--time-budget",
+        type=float,
+        default=None,
+        help="seconds: arms not started by then are skipped, none runs past it",
     )
     parser.add_argument("--title", default=None, help="plot title")
     parser.add_argument("--random-rows", type=int, default=None, help="train on N rows of random token ids")
+    parser.add_argument(
+        "--random-pairs",
+        type=int,
+        default=None,
+        help="preference objectives: train on N pairs of random words",
+    )
     parser.add_argument(
         "--image-rows", type=int, default=None, help="vision-language: train on N chat rows of bundled images"
     )
@@ -260,24 +311,19 @@ def main(argv: list[str] | None = None) -> int:
     from ligertune.tools.compare import CompareError, make_plan
 
     try:  # every option checked before anything is written or run
-        args.recipe_attention = load_recipe(args.recipe, args.overrides).model.attn_implementation
-        make_plan(
-            Path(args.recipe),
-            args.overrides,
-            steps=args.steps,
-            out=args.out,
-            nproc_per_node=args.nproc_per_node,
-        )
+        with tempfile.TemporaryDirectory() as scratch:
+            # The synthetic data's overrides, pointing at a few short rows (data.path must exist).
+            checked = [*args.overrides, *synthetic_data(args, Path(scratch), 8)]
+            recipe = load_recipe(args.recipe, checked)
+            make_plan(
+                Path(args.recipe), checked, steps=args.steps, out=args.out, nproc_per_node=args.nproc_per_node
+            )
     except (CompareError, RecipeError) as e:
         parser.error(str(e))
+    args.recipe_attention = recipe.model.attn_implementation
     args.out.mkdir(parents=True, exist_ok=True)
     base = [*args.overrides, f"logging.throughput_warmup_steps={args.warmup}"]
-    if args.random_rows:
-        base += random_token_data(
-            args.out / "random-tokens.jsonl", args.random_rows, max(lengths[-1] or 2048, 1)
-        )
-    if args.image_rows:
-        base += image_chat_data(args.out / "image-rows.jsonl", args.image_rows, args.images_per_row)
+    base += synthetic_data(args, args.out, lengths[-1] or recipe.data.max_seq_len)
 
     started = time.monotonic()
     results, failed = [], set()
@@ -285,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
         for provider in providers:
             name = provider if length is None else f"{provider}-{length}"
             overrides = base if length is None else [*base, f"data.max_seq_len={length}"]
-            over_budget = args.time_budget is not None and time.monotonic() - started > args.time_budget
+            left = math.inf if args.time_budget is None else args.time_budget - (time.monotonic() - started)
+            over_budget = left <= 0
             if provider in failed or over_budget:
                 why = "a shorter length failed" if provider in failed else "time budget"
                 print(f"[{name}] not run: {why}", flush=True)
@@ -296,7 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "peak_mem_reserved_gib": None})  # fmt: skip
                 continue
             print(f"[{name}] {args.steps} steps ...", flush=True)
-            result = run_provider(provider, name, args, overrides) | {"seq_len": length}
+            result = run_provider(provider, name, args, overrides, timeout=min(args.timeout, left))
+            result["seq_len"] = length
             if result["status"] != "ok":
                 failed.add(provider)
             print(f"[{name}] {result['status']}: {_fmt(result['tokens_per_s'], ',.0f')} tok/s, "

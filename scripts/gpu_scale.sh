@@ -1,35 +1,40 @@
 #!/usr/bin/env bash
-# Speed at scale: the Llama-3-8B shape under FSDP2 on every GPU of one host (4 × H100 or H200),
-# one device call per part, each under 10 minutes:
+# Speed at scale on every GPU of one host (4 × H100 or H200), one device call at a time:
 #
 #   source .whl/install.sh && OUT=out PART=diag bash scripts/gpu_scale.sh
-#   source .whl/install.sh && OUT=out PART=table bash scripts/gpu_scale.sh
+#   source .whl/install.sh && OUT=out PART="70b dpo" bash scripts/gpu_scale.sh
 #
-# PART=diag   where the time goes: profile_step of ligertune and ligertune-compile at the recipe's
-#             setting (full activation checkpointing, 4 × 2048 per GPU), with dynamo's recompile and
-#             graph-break log counted per rank; then e2e_bench without checkpointing at 4 × 2048 per
-#             GPU of ours as it is, with parallel.fsdp.prefetch=2, with parallel.fsdp.reduce_dtype=bf16,
-#             and with compile.
-# PART=rest   Liger and eager at their best settings, and ZeRO-3 (defaults, larger buckets, Liger).
-# PART=table  each provider at its own best setting that fits (e2e_bench, auto checkpointing and
-#             micro-batch): eager, Liger, ours, ours + compile, ours + compile + FP8 tensorwise (its
-#             weights all-gathered in float8) and rowwise, and HF + compile + FP8 (the FP8 loss control).
-# PART=70b    Llama-3-70B shape, LoRA under FSDP2 (recipes/llama3-70b-alpaca-lora-bench.yaml): HF + peft,
-#             HF + peft + Liger, ours; 6 steps, 2 left out, 240 s an arm (~8 min).
-# PART=lora   Qwen3-30B-A3B LoRA under FSDP2 (HF + peft with transformers' grouped_mm experts against
-#             ours), then Llama-3-8B LoRA under FSDP2 (HF + peft, + Liger, ours) (~8 min).
-# PART=long   context parallelism: the Llama-3.2-1B shape on one 1,048,576-token row over every GPU
-#             (one step, its time includes the first step's compilation), then the Llama-3-8B
-#             shape at 32,768 tokens, FSDP2 alone against CP over every GPU (~9 min).
+# PART is one part or several, run in the order given under one time budget:
+# diag    where the time goes: profile_step of ligertune and ligertune-compile at the recipe's
+#         setting (full activation checkpointing, 4 × 2048 per GPU), with dynamo's recompile and
+#         graph-break log counted per rank; then e2e_bench without checkpointing at 4 × 2048 per
+#         GPU of ours as it is, with parallel.fsdp.prefetch=2, with parallel.fsdp.reduce_dtype=bf16,
+#         and with compile.
+# rest    Liger and eager at their best settings, and ZeRO-3 (defaults, larger buckets, Liger).
+# table   each provider at its own best setting that fits (e2e_bench, auto checkpointing and
+#         micro-batch): eager, Liger, ours, ours + compile, ours + compile + FP8 tensorwise (its
+#         weights all-gathered in float8) and rowwise, and HF + compile + FP8 (the FP8 loss control).
+# 70b     Llama-3-70B shape, LoRA under FSDP2 (recipes/llama3-70b-alpaca-lora-bench.yaml): ours,
+#         HF + peft + Liger, HF + peft; 6 steps, 2 left out, 240 s an arm.
+# lora    Qwen3-30B-A3B LoRA under FSDP2 (ours against HF + peft with transformers' grouped_mm
+#         experts), then Llama-3-8B LoRA under FSDP2 (ours, + Liger, HF + peft).
+# dpo     Llama-3-8B shape, full fine-tune with the dpo objective under FSDP2 (frozen reference,
+#         sharded too): 2 pairs of 2 × 2048 random-word tokens per GPU, ours, Liger, eager.
+# long    context parallelism: the Llama-3.2-1B shape on one 1,048,576-token row over every GPU
+#         (one step, its time includes the first step's compilation).
+# long32k the Llama-3-8B shape at 32,768 tokens, FSDP2 alone against CP over every GPU.
+# tests   the GPU tests of context parallelism (2 GPUs) and of drawing a random init on the GPU
+#         (one GPU), side by side.
 #
 # Every arm: STEPS steps (default 8), the first WARMUP (3) left out of the rates, at most
-# ARM_TIMEOUT_S (170 s); arms that would start after BUDGET_S (480 s) are skipped. Results under
-# $OUT: summary.md (printed last) and results.tar.gz (every arm's log, metrics, profile).
+# ARM_TIMEOUT_S (170 s) and never past the budget; arms that would start after BUDGET_S (480 s)
+# are skipped. Results under $OUT: summary.md (printed last) and results.tar.gz (every arm's log,
+# metrics, profile).
 set -uo pipefail
 source "$(dirname "$0")/report_header.sh"
 
 : "${OUT:?set OUT to the folder for the results}"
-: "${PART:?set PART to diag, table, rest, 70b, lora or long}"
+: "${PART:?set PART to one or more of diag, table, rest, 70b, lora, dpo, long, long32k, tests}"
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-3}
@@ -55,52 +60,71 @@ bench() {
 }
 
 tables=()
-if [[ $PART == diag ]]; then
-  TORCH_LOGS=recompiles,graph_breaks timeout --signal=INT --kill-after=20 240 \
-    "$PYTHON" scripts/profile_step.py "$RECIPE" parallel.strategy=fsdp --nproc-per-node "$gpus" \
-    --providers ligertune,ligertune-compile --wait 2 --active 2 --out "$WORK/profile" > "$WORK/profile.log" 2>&1
-  echo "profile: exit $? ($(( $(date +%s) - start )) s)"
-  no_ckpt=(training.activation_checkpointing=none training.micro_batch_size=4)
-  bench ours ligertune "${no_ckpt[@]}"
-  bench prefetch2 ligertune "${no_ckpt[@]}" parallel.fsdp.prefetch=2
-  bench reduce-bf16 ligertune "${no_ckpt[@]}" parallel.fsdp.reduce_dtype=bf16
-  bench compile ligertune-compile "${no_ckpt[@]}"
-  tables=(ours prefetch2 reduce-bf16 compile)
-elif [[ $PART == rest ]]; then
-  # The providers whose own best setting auto cannot plan (Liger's kernels are a plugin the plan
-  # does not count), and ZeRO-3 at the recipe's setting, DeepSpeed's defaults against larger
-  # prefetch and reduce buckets (scripts/ds_zero3_prefetch.json).
-  bench liger-best liger training.activation_checkpointing=none training.micro_batch_size=4
-  bench eager-best eager training.activation_checkpointing=none training.micro_batch_size=2
-  zero3=(parallel.strategy=deepspeed parallel.deepspeed.zero_stage=3)
-  bench zero3 ligertune "${zero3[@]}"
-  bench zero3-buckets ligertune "${zero3[@]}" parallel.deepspeed.config=scripts/ds_zero3_prefetch.json
-  bench zero3-liger liger "${zero3[@]}"
-  tables=(liger-best eager-best zero3 zero3-buckets zero3-liger)
-elif [[ $PART == 70b ]]; then
-  RECIPE=recipes/llama3-70b-alpaca-lora-bench.yaml STEPS=6 WARMUP=2 ARM_TIMEOUT_S=240 BUDGET_S=560
-  bench 70b-lora eager,liger,ligertune
-  tables=(70b-lora)
-elif [[ $PART == lora ]]; then
-  RECIPE=recipes/qwen3-30b-a3b-alpaca-lora-bench.yaml STEPS=8 WARMUP=3 ARM_TIMEOUT_S=200 BUDGET_S=560
-  bench 30b-a3b-lora eager,ligertune
-  RECIPE=recipes/llama3-8b-alpaca-lora-bench.yaml
-  bench 8b-lora eager,liger,ligertune
-  tables=(30b-a3b-lora 8b-lora)
-elif [[ $PART == long ]]; then
-  RECIPE=recipes/llama3.2-1b-alpaca-bench.yaml STEPS=1 WARMUP=0 ARM_TIMEOUT_S=420 BUDGET_S=560
-  long=(parallel.context_parallel="$gpus" training.micro_batch_size=1 training.activation_checkpointing=full
-        model.attn_implementation=flex_attention --random-rows 1)
-  bench 1b-1m ligertune "${long[@]}" --seq-lens 1048576
-  RECIPE=recipes/llama3-8b-longctx-bench.yaml STEPS=5 WARMUP=2 ARM_TIMEOUT_S=150
-  bench 8b-32k-fsdp ligertune parallel.context_parallel=1 --seq-lens 32768 --random-rows 8
-  bench 8b-32k-cp ligertune --seq-lens 32768 --random-rows 8 parallel.context_parallel="$gpus"
-  tables=(1b-1m 8b-32k-fsdp 8b-32k-cp)
-else
-  bench table eager,liger,ligertune,ligertune-compile,ligertune-compile-fp8-tensorwise,ligertune-compile-fp8,eager-compile-fp8 \
-    training.activation_checkpointing=auto training.micro_batch_size=auto
-  tables=(table)
-fi
+for part in $PART; do
+  case $part in
+  diag)
+    TORCH_LOGS=recompiles,graph_breaks timeout --signal=INT --kill-after=20 240 \
+      "$PYTHON" scripts/profile_step.py "$RECIPE" parallel.strategy=fsdp --nproc-per-node "$gpus" \
+      --providers ligertune,ligertune-compile --wait 2 --active 2 --out "$WORK/profile" > "$WORK/profile.log" 2>&1
+    echo "profile: exit $? ($(( $(date +%s) - start )) s)"
+    no_ckpt=(training.activation_checkpointing=none training.micro_batch_size=4)
+    bench ours ligertune "${no_ckpt[@]}"
+    bench prefetch2 ligertune "${no_ckpt[@]}" parallel.fsdp.prefetch=2
+    bench reduce-bf16 ligertune "${no_ckpt[@]}" parallel.fsdp.reduce_dtype=bf16
+    bench compile ligertune-compile "${no_ckpt[@]}"
+    tables+=(ours prefetch2 reduce-bf16 compile) ;;
+  rest)
+    # The providers whose own best setting auto cannot plan (Liger's kernels are a plugin the plan
+    # does not count), and ZeRO-3 at the recipe's setting, DeepSpeed's defaults against larger
+    # prefetch and reduce buckets (scripts/ds_zero3_prefetch.json).
+    bench liger-best liger training.activation_checkpointing=none training.micro_batch_size=4
+    bench eager-best eager training.activation_checkpointing=none training.micro_batch_size=2
+    zero3=(parallel.strategy=deepspeed parallel.deepspeed.zero_stage=3)
+    bench zero3 ligertune "${zero3[@]}"
+    bench zero3-buckets ligertune "${zero3[@]}" parallel.deepspeed.config=scripts/ds_zero3_prefetch.json
+    bench zero3-liger liger "${zero3[@]}"
+    tables+=(liger-best eager-best zero3 zero3-buckets zero3-liger) ;;
+  table)
+    bench table eager,liger,ligertune,ligertune-compile,ligertune-compile-fp8-tensorwise,ligertune-compile-fp8,eager-compile-fp8 \
+      training.activation_checkpointing=auto training.micro_batch_size=auto
+    tables+=(table) ;;
+  70b)
+    RECIPE=recipes/llama3-70b-alpaca-lora-bench.yaml STEPS=6 WARMUP=2 ARM_TIMEOUT_S=240
+    bench 70b-lora ligertune,liger,eager
+    tables+=(70b-lora) ;;
+  lora)
+    RECIPE=recipes/qwen3-30b-a3b-alpaca-lora-bench.yaml STEPS=8 WARMUP=3 ARM_TIMEOUT_S=200
+    bench 30b-a3b-lora ligertune,eager
+    RECIPE=recipes/llama3-8b-alpaca-lora-bench.yaml ARM_TIMEOUT_S=120
+    bench 8b-lora ligertune,liger,eager
+    tables+=(30b-a3b-lora 8b-lora) ;;
+  dpo)
+    RECIPE=recipes/llama3-8b-alpaca-bench.yaml STEPS=6 WARMUP=2 ARM_TIMEOUT_S=150
+    bench 8b-dpo ligertune,liger,eager objective.name=dpo objective.reference=frozen \
+      training.micro_batch_size=2 --random-pairs 64
+    tables+=(8b-dpo) ;;
+  long)
+    RECIPE=recipes/llama3.2-1b-alpaca-bench.yaml STEPS=1 WARMUP=0 ARM_TIMEOUT_S=420
+    bench 1b-1m ligertune parallel.context_parallel="$gpus" training.micro_batch_size=1 \
+      training.activation_checkpointing=full model.attn_implementation=flex_attention \
+      --random-rows 1 --seq-lens 1048576
+    tables+=(1b-1m) ;;
+  long32k)
+    RECIPE=recipes/llama3-8b-longctx-bench.yaml STEPS=5 WARMUP=2 ARM_TIMEOUT_S=150
+    bench 8b-32k-fsdp ligertune parallel.context_parallel=1 --seq-lens 32768 --random-rows 8
+    bench 8b-32k-cp ligertune --seq-lens 32768 --random-rows 8 parallel.context_parallel="$gpus"
+    tables+=(8b-32k-fsdp 8b-32k-cp) ;;
+  tests)
+    CUDA_VISIBLE_DEVICES=0,1 timeout 240 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
+      tests/test_context_parallel.py > "$WORK/tests-cp.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=2 timeout 240 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
+      tests/test_draw_init.py > "$WORK/tests-draw-init.log" 2>&1
+    wait
+    echo "tests: ($(( $(date +%s) - start )) s)"
+    tests_run=1 ;;
+  *) echo "unknown part $part"; exit 2 ;;
+  esac
+done
 
 {
   report_header "Speed at scale, part $PART"
@@ -111,6 +135,10 @@ fi
 $(grep -c '\[__graph_breaks\]' "$WORK/profile.log") graph-break log lines"
     grep -A3 '\[__recompiles\] Recompiling' "$WORK/profile.log" | grep -E 'rank0.*- ' | sort | uniq -c | head -20
     grep '\[__graph_breaks\]' "$WORK/profile.log" | grep rank0 | sed 's/.*\[__graph_breaks\]//' | sort | uniq -c | sort -rn | head -20
+  fi
+  if [[ -n ${tests_run:-} ]]; then
+    echo "## GPU tests"; echo
+    for log in "$WORK"/tests-*.log; do echo "$(basename "$log"): $(tail -n 1 "$log")"; done
   fi
   for name in "${tables[@]}"; do
     echo; echo "## $name"; echo

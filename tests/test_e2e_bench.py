@@ -28,7 +28,7 @@ from ligertune.tools.compare.plan import ARM_LOG, ARM_SPEC, RTOL, ArmSpec
 from ligertune.tools.compare.runner import run_arm_process
 from ligertune.training.transforms import apply_transforms
 from scripts import e2e_bench
-from tests.helpers import QUICKSTART, TINY_MODEL, assert_refused_before_writing, run_repo_script
+from tests.helpers import QUICKSTART, ROOT, TINY_MODEL, assert_refused_before_writing, run_repo_script
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 # The tiny model without TINY_MODEL's data.max_seq_len: --seq-lens sets the length.
@@ -118,6 +118,32 @@ def test_seq_len_sweep_on_random_rows_trains_both_providers_at_parity(tmp_path):
     for provider in ("eager", "ligertune"):
         assert f"| {provider} | 64 | none up to the longest tried |" in text
     assert proc.stdout.rstrip().endswith(text.rstrip())  # the tables are printed last
+
+
+@pytest.mark.slow
+def test_random_pairs_fill_both_sequences_of_every_pair_to_the_recipe_length(tmp_path):
+    """DPO on --random-pairs without --seq-lens: the recipe's max_seq_len (48) sets the rows,
+    every sequence of every pair is exactly that long, and both providers agree."""
+    dpo = ROOT / "recipes" / "quickstart-dpo.yaml"
+    proc = run_script(
+        str(dpo), *TINY, "data.max_seq_len=48", "data.validation_fraction=0", "training.micro_batch_size=2",
+        "--random-pairs", "3", "--providers", "eager,ligertune", "--steps", "2", "--warmup", "1",
+        "--out", str(tmp_path),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "random-pairs.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["chosen"] != r["rejected"] for r in rows)
+    results = json.loads((tmp_path / "e2e.json").read_text())["results"]
+    for r in results:
+        assert r["status"] == "ok", r
+        # 2 pairs × 2 sequences × 48 tokens in the one timed step.
+        assert r["tokens_per_s"] * r["step_time_median_s"] == pytest.approx(2 * 2 * 48, rel=1e-6)
+        assert (
+            "data.format=preference"
+            in json.loads((tmp_path / r["provider"] / ARM_SPEC).read_text())["overrides"]
+        )
+    eager, ours = (next(r for r in results if r["provider"] == p)["losses"] for p in ("eager", "ligertune"))
+    assert max(relative_differences(ours, eager)) <= FP32_RTOL, (eager, ours)
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,6 +357,21 @@ def run_past_timeout(tmp_path: Path, nproc: int, timeout: float) -> tuple[dict, 
 def test_a_single_process_arm_past_its_timeout_is_killed(tmp_path):
     outcome, _ = run_past_timeout(tmp_path, nproc=1, timeout=5)
     assert outcome["error"].startswith("timed out after 5 s"), outcome["error"]
+
+
+def test_no_arm_runs_past_the_time_budget(tmp_path):
+    """--time-budget caps the running arm's timeout: an arm that would train for minutes is
+    stopped when the budget (4 s) is spent, though --timeout allows 600 s; the next is skipped."""
+    started = time.monotonic()
+    proc = run_script(
+        str(QUICKSTART), *SMALL, "--providers", "eager,ligertune",
+        "--steps", "100000", "--warmup", "1", "--timeout", "600", "--time-budget", "4", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert time.monotonic() - started < 120
+    results = {r["provider"]: r for r in json.loads((tmp_path / "e2e.json").read_text())["results"]}
+    assert results["eager"]["status"] == "error" and "timed out after 4" in results["eager"]["error"]
+    assert results["ligertune"]["status"] == "skipped"
+    assert proc.returncode == 1
 
 
 def loop_started(arm: ArmSpec) -> bool:
