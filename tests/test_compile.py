@@ -26,6 +26,7 @@ from torch import nn
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 import ligertune.kernels._utils as kernel_utils
+from ligertune.catalog.families import FAMILIES as FAMILY_TABLE
 from ligertune.kernels import cross_entropy as ce_kernel
 from ligertune.kernels import fused_linear_cross_entropy as flce_kernel
 from ligertune.kernels import layer_norm as ln_kernel
@@ -336,7 +337,7 @@ def test_compiled_loss_backward_may_run_twice():
 def test_rope_scope_is_its_own_module():
     """torch.compile looks an inlined function's globals up by their ``__name__``: the patched
     attention's must name a module whose namespace they are, with our kernel in it."""
-    forward = rope_forward_for(LlamaAttention.forward)
+    forward = rope_forward_for(LlamaAttention.forward, FAMILY_TABLE["llama"])
     scope = forward.__globals__
     assert vars(sys.modules[scope["__name__"]]) is scope
     assert scope["apply_rotary_pos_emb"] is rope_kernel.apply_rotary_pos_emb

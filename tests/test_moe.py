@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import inspect
 import json
+import os
 from dataclasses import replace
 
 import pytest
@@ -30,7 +31,7 @@ from ligertune.errors import RecipeError
 from ligertune.models.build import build_model
 from ligertune.models.config import build_config
 from ligertune.models.shape import model_shape, recipe_shape
-from ligertune.objectives.causal_lm import CausalLM, Router
+from ligertune.objectives.causal_lm import CausalLM, Router, router_of
 from ligertune.patching import patch_model
 from ligertune.patching.mlp import activation_of
 from ligertune.plan import choose
@@ -51,6 +52,8 @@ from tests.test_patching import (  # noqa: F401 - one_torch_thread: the module's
     random_batch,
 )
 from tests.test_patching import train as train_steps
+from tests.test_plan import OURS
+from tests.test_plan import saved_bytes as plan_saved_bytes
 
 COEF = 0.5
 MOE = dict(output_router_logits=True, router_aux_loss_coef=COEF, num_experts_per_tok=2)
@@ -72,6 +75,31 @@ FAMILIES = {
         LAYERS,
     ),
     "mixtral": (dict(num_local_experts=4, intermediate_size=32), 2, 0),
+    # Layer 0 dense (first_k_dense_replace): DeepseekV3MLP, as wide as a token's routed + shared
+    # experts; layer 1 routes among 2 groups of 4 experts (one group kept) beside a shared expert
+    # (SwiGLU). Multi-head latent attention with q through a latent (q_a_layernorm, kv_a_layernorm:
+    # + 2 norms), heads of 8 + 8 (interleaved RoPE on the second 8) and v heads of 16.
+    "deepseek_v3": (
+        dict(
+            n_routed_experts=8,
+            n_group=2,
+            topk_group=1,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            intermediate_size=96,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=16,
+            head_dim=8,  # the rotary part's, as the config computes it (TINY's 16 would win)
+            num_key_value_heads=4,
+        ),
+        4,
+        2,
+    ),
     # Half-width cos/sin RoPE, attention sinks, top-k-then-softmax routing, clamped SwiGLU experts.
     "gpt_oss": (
         dict(num_local_experts=4, intermediate_size=32, layer_types=["sliding_attention", "full_attention"]),
@@ -96,17 +124,32 @@ def tiny_moe(model_type: str, **changes) -> nn.Module:
     return model
 
 
-def route(experts: Experts, config, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, expert indices) of each token as the family record says it routes."""
+def route(
+    experts: Experts, config, logits: torch.Tensor, router: nn.Module
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, expert indices) of each token as the family record says it routes, in float64
+    (`Experts.routing`; DeepSeek-V3's score bias is the router's buffer)."""
     k = getattr(config, experts.top_k_attr)
+    logits = logits.double()
     if experts.routing == "topk_softmax":
         top, chosen = logits.topk(k, dim=-1)
         return top.softmax(-1), chosen
-    weights, chosen = logits.float().softmax(-1).topk(k, dim=-1)
+    if experts.routing == "sigmoid_group_topk":
+        scores = logits.sigmoid()
+        biased = scores + router.e_score_correction_bias.double()
+        groups = biased.unflatten(-1, (config.n_group, -1))  # [T, groups, experts per group]
+        kept = groups.topk(2, dim=-1).values.sum(-1).topk(config.topk_group, dim=-1).indices
+        keep = torch.zeros_like(groups[..., 0], dtype=torch.bool).scatter_(-1, kept, True)
+        chosen = groups.masked_fill(~keep[..., None], float("-inf")).flatten(-2).topk(k, dim=-1).indices
+        weights = scores.gather(-1, chosen)
+        scale = config.routed_scaling_factor
+    else:
+        weights, chosen = logits.softmax(-1).topk(k, dim=-1)
+        scale = 1.0
     renormalise = experts.renormalise
     if isinstance(renormalise, str):
         renormalise = getattr(config, renormalise)
-    return (weights / weights.sum(-1, keepdim=True) if renormalise else weights), chosen
+    return (weights / weights.sum(-1, keepdim=True) if renormalise else weights) * scale, chosen
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -121,6 +164,8 @@ def test_experts_record_describes_the_hf_model(model_type):
     rows = torch.randn(16, model.config.hidden_size)
     for block in blocks:
         router = getattr(block, experts.router_attr)
+        if experts.routing == "sigmoid_group_topk":  # a trained bias: the choice must use it
+            router.e_score_correction_bias.normal_(0, 0.5)
         assert isinstance(router, family.resolve(experts.router))
         assert isinstance(block.experts, family.resolve(experts.experts))
         assert block.experts.gate_up_proj.shape[0] == getattr(model.config, experts.num_experts_attr)
@@ -130,13 +175,20 @@ def test_experts_record_describes_the_hf_model(model_type):
         else:  # GPT-OSS's clamped SwiGLU
             assert (block.experts.alpha, block.experts.limit) == (1.702, 7.0)
         if experts.shared_expert_attr:
-            assert isinstance(getattr(block, experts.shared_expert_attr), family.resolve(family.mlp))
+            shared = getattr(block, experts.shared_expert_attr)
+            assert isinstance(shared, family.resolve(family.mlp))
+            assert shared.down_proj.in_features == experts.shared_width(model.config)
+        if experts.shared_expert_gate_attr:
             assert isinstance(getattr(block, experts.shared_expert_gate_attr), nn.Linear)
         with torch.no_grad():
             logits, weights, chosen = router(rows)
-            ours_weights, ours_chosen = route(experts, model.config, logits)
-        assert torch.equal(chosen, ours_chosen)
-        torch.testing.assert_close(weights.float(), ours_weights.float())
+            ours_weights, ours_chosen = route(experts, model.config, logits, router)
+        # sorted=False in DeepSeek's top-k: the same set of experts, in whatever order.
+        order, ours_order = chosen.sort(-1).indices, ours_chosen.sort(-1).indices
+        assert torch.equal(chosen.gather(-1, order), ours_chosen.gather(-1, ours_order))
+        torch.testing.assert_close(  # HF's fp32 against float64
+            weights.gather(-1, order).double(), ours_weights.gather(-1, ours_order), rtol=1e-5, atol=1e-6
+        )
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -145,8 +197,8 @@ def test_moe_family_parity(model_type):
     balancing loss), every gradient and the eval logits match HF's unpatched model."""
     _, norms, swiglu = FAMILIES[model_type]
     model = tiny_moe(model_type)
-    sparse = LAYERS - len(model.config.to_dict().get("mlp_only_layers", []))
     experts_class = FAMILY_TABLE[model_type].experts.experts
+    sparse = sum(type(m).__name__ == experts_class for m in model.modules())
     result = parity_check(model, random_batch(), WITH_EXPERTS)
     expected = dict.fromkeys(KERNEL_NAMES, 0)
     expected.update(
@@ -289,20 +341,54 @@ def test_sft_weights_the_balancing_loss_by_token_share(kernels):
         assert rel_err(objective(model, batch, torch.tensor(1)).loss, tokens) <= FP32_TOL
 
 
-def test_router_outputs_off_means_no_balancing_loss():
-    hf = tiny_moe("mixtral", output_router_logits=False)
+def training_forwards(model_type: str, **changes):
+    """A tiny model of the family, its patched copy, a batch and both models' training outputs."""
+    hf = tiny_moe(model_type, **changes)
     ours = copy.deepcopy(hf)
     patch_model(ours, WITH_EXPERTS)
     batch = random_batch()
     hf.train()
     ours.train()
-    ref, out = hf(**batch), ours(**batch)
+    return hf, ours, batch, hf(**batch), ours(**batch)
+
+
+def test_router_outputs_off_means_no_balancing_loss():
+    hf, ours, batch, ref, out = training_forwards("mixtral", output_router_logits=False)
     assert ref.aux_loss is None and out.aux_loss is None
     assert rel_err(out.loss, ref.loss) <= FP32_TOL
     on = ours(**batch, output_router_logits=True)  # the forward's argument wins over the config
     assert (
         on.aux_loss is not None and rel_err(on.loss, hf(**batch, output_router_logits=True).loss) <= FP32_TOL
     )
+
+
+def test_deepseek_has_no_balancing_loss_to_add():
+    """DeepSeek-V3 balances its experts without a loss (its router's score bias): transformers'
+    forward returns none, even with ``output_router_logits`` in the config (tiny_moe sets it), and
+    neither do ours nor the SFT objective (no router, no aux_loss metric); ``model.router_aux_loss:
+    true`` is refused and the default leaves the config alone."""
+    _, ours, batch, ref, out = training_forwards("deepseek_v3")
+    assert getattr(ref, "aux_loss", None) is None and getattr(out, "aux_loss", None) is None
+    assert rel_err(out.loss, ref.loss) <= FP32_TOL
+    assert router_of(ours) is None
+    output = CausalLM(router_of(ours))(ours, batch, torch.tensor(int((batch["labels"][:, 1:] != -100).sum())))
+    assert output.metrics == {} and rel_err(output.loss, ref.loss) <= FP32_TOL
+    deepseek = (
+        "model.config={model_type: deepseek_v3, vocab_size: 2048, hidden_size: 64, num_hidden_layers: 2, "
+        "num_attention_heads: 4, n_routed_experts: 4, n_group: 1, topk_group: 1, num_experts_per_tok: 2}"
+    )
+    recipe = load_recipe(QUICKSTART, [deepseek, "model.router_aux_loss=true"])
+    with pytest.raises(RecipeError, match="'deepseek_v3': it balances its experts without one"):
+        build_config(recipe)
+    config = build_config(load_recipe(QUICKSTART, [deepseek]))
+    assert not getattr(config, "output_router_logits", False)  # a field from transformers 5.2x on
+
+
+def test_deepseek_rope_without_interleaving():
+    """``rope_interleave: false``: the attention calls the plain ``apply_rotary_pos_emb`` on the
+    rotary part, which our kernel computes as well."""
+    result = parity_check(tiny_moe("deepseek_v3", rope_interleave=False), random_batch(), WITH_EXPERTS)
+    assert result.ok and result.report.patched["rope"] == LAYERS, str(result)
 
 
 @pytest.mark.parametrize("model_type", list(FAMILIES))
@@ -371,6 +457,60 @@ def test_plan_counts_active_parameters():
     }
     assert experts_saved["experts: each token's k input copies"] == 8 * 2048
     assert experts_saved["mlp: up"] == 8 * 768
+
+
+@pytest.mark.parametrize(
+    "architecture, total, active, q_rank",
+    [("deepseek-v3", 671.0, 37.6, 1536), ("moonlight-16b-a3b", 16.0, 2.9, 0)],
+)
+def test_plan_counts_deepseek_parameters(architecture, total, active, q_rank):
+    """The published sizes: DeepSeek-V3 671B parameters, 37B active (its multi-token-prediction
+    layer, 14B more, is not built by transformers); Moonlight-16B-A3B 16B, 3B active. MLA's heads
+    are 128 + 64 wide for q and k, 128 for v; MFU counts the active experts, the largest layer is
+    an MoE layer (the first ones are dense)."""
+    shape = recipe_shape(load_recipe(QUICKSTART, [f"model.config={architecture}"]))
+    config = build_config(load_recipe(QUICKSTART, [f"model.config={architecture}"]))
+    experts, k = config.n_routed_experts, config.num_experts_per_tok
+    sparse = config.num_hidden_layers - config.first_k_dense_replace
+    assert shape.expert_layers == sparse and shape.experts == experts and shape.top_k == k
+    assert shape.expert_params == sparse * experts * 3 * config.hidden_size * config.moe_intermediate_size
+    assert round(shape.params / 1e9, 1) == total and round(shape.active_params / 1e9, 1) == active
+    assert (shape.head_dim, shape.v_head_dim, shape.rotary_dim) == (192, 128, 64)
+    assert shape.latent.q_rank == q_rank and shape.latent.kv_rank == 512
+    assert shape.attention_width == config.num_attention_heads * (192 + 128) // 2
+    assert shape.flops_per_token(0) == 6 * (shape.active_params - shape.embed_params)
+    assert (
+        shape.layer_active_params
+        == shape.layer_params - shape.expert_params // sparse * (experts - k) // experts
+    )
+    assert shape.intermediate == (k + config.n_shared_experts) * config.moe_intermediate_size
+
+
+@pytest.mark.parametrize("kernels", ["none", "ours"])
+def test_plan_counts_what_latent_attention_saves(kernels):
+    """The plan's listing of a DeepSeek-V3 layer (MLA, the latents' norms, RoPE's copies, a dense
+    MLP) against autograd's record: a 3-layer model's saved bytes minus a 2-layer one's, fp32,
+    dense layers only (first_k_dense_replace), as wide as a token's experts so that the shape's
+    MLP width holds; the experts' own rows are checked above."""
+    if kernels == "ours" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the Triton interpreter (the reference path saves what eager saves)")
+    measured = {}
+    for layers in (2, 3):
+        model = tiny_moe("deepseek_v3", num_hidden_layers=layers, first_k_dense_replace=layers)
+        if kernels == "ours":
+            patch_model(model, "all")
+        model.train()
+        measured[layers] = plan_saved_bytes(model, random_batch()["input_ids"])
+    shape = replace(model_shape(model), experts=0, top_k=0, expert_params=0, expert_layers=0)
+    s = Setting(
+        micro_batch_size=2,
+        seq_len=random_batch()["input_ids"].shape[1],
+        precision="fp32",
+        kernels=OURS if kernels == "ours" else frozenset(),
+    )
+    assert measured[3] - measured[2] == pytest.approx(
+        sum(t.bytes(s.tokens) for t in layer_saved(shape, s)), rel=0.03
+    )
 
 
 def test_plan_counts_what_the_experts_kernel_saves():

@@ -51,11 +51,28 @@ FAMILIES = {
         sliding_window=128,
         layer_types=["sliding_attention", "full_attention"],
     ),
+    # Multi-head latent attention (its head widths replace MID's), every layer sparse (the dense
+    # first layers are checked on the CPU), 2 groups of 4 experts.
+    "deepseek_v3": dict(
+        n_routed_experts=8,
+        n_group=2,
+        topk_group=1,
+        moe_intermediate_size=704,
+        n_shared_experts=1,
+        first_k_dense_replace=0,
+        q_lora_rank=384,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        head_dim=32,
+        num_key_value_heads=16,
+    ),
 }
 
 
 def mid_model(model_type: str) -> torch.nn.Module:
-    config = AutoConfig.for_model(model_type, **MID, **FAMILIES[model_type])
+    config = AutoConfig.for_model(model_type, **{**MID, **FAMILIES[model_type]})
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():

@@ -1,5 +1,5 @@
 """LoRA on the routed experts (``lora.target_parameters``, peft's adapters on 3-D parameters) on
-tiny Qwen3-MoE and GPT-OSS models: recipe errors, our experts kernel against transformers'
+tiny Qwen3-MoE, GPT-OSS and DeepSeek-V3 models: recipe errors, our experts kernel against transformers'
 forward under the same adapters, the merge against peft's own, the adapter-count the plan uses
 against what peft creates, and a training run's checkpoints, resume and both exports loaded back
 by peft and by transformers."""
@@ -35,6 +35,10 @@ from tests.test_patching import one_torch_thread, random_batch  # noqa: F401 - a
 peft = pytest.importorskip("peft")
 
 ATTENTION = "lora.target_modules=[q_proj, k_proj, v_proj, o_proj]"
+# DeepSeek-V3's multi-head latent attention: the latents' projections and o_proj.
+ATTENTION_OF = {
+    "deepseek_v3": "lora.target_modules=[q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj]"
+}
 EXPERTS = ["lora.r=4", "lora.dropout=0", "lora.target_parameters=experts"]
 
 
@@ -82,7 +86,7 @@ def _adapted_pair(model_type: str):
     """(transformers' experts, ours) under equal adapters with B nonzero, and our report."""
     torch.manual_seed(0)
     base = tiny_moe(model_type)
-    recipe = lora_recipe(*EXPERTS, ATTENTION)
+    recipe = lora_recipe(*EXPERTS, ATTENTION_OF.get(model_type, ATTENTION))
     plain, _ = apply_lora(copy.deepcopy(base), recipe)
     patched_base = copy.deepcopy(base)
     patch_model(patched_base, KernelsSection(moe_experts=True))
@@ -95,7 +99,7 @@ def _adapted_pair(model_type: str):
     return plain, patched, report
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_expert_adapters_through_our_kernel_match_transformers(model_type, monkeypatch):
     """fp32: the loss and every adapter gradient with moe_experts computing the experts equal
     transformers' experts forward reading the same peft-parametrized weights."""
@@ -120,26 +124,29 @@ def test_expert_adapters_through_our_kernel_match_transformers(model_type, monke
     (expected, expected_grads), (got, got_grads) = results
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert got_grads.keys() == expected_grads.keys()
-    sparse = 1 if model_type == "qwen3_moe" else 2  # the tiny Qwen3-MoE's layer 1 is dense
+    sparse = 2 if model_type == "gpt_oss" else 1  # the tiny Qwen3-MoE's layer 1 is dense, DeepSeek's 0
     assert len([n for n in expected_grads if ".experts." in n]) == sparse * 2 * 2  # 2 weights × (A, B)
     for name, grad in expected_grads.items():
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    cls = {"qwen3_moe": "Qwen3MoeExperts", "gpt_oss": "GptOssExperts"}[model_type]
+    cls = {"qwen3_moe": "Qwen3MoeExperts", "gpt_oss": "GptOssExperts", "deepseek_v3": "DeepseekV3Experts"}[
+        model_type
+    ]
     assert (
         f"experts: LoRA on down_proj/gate_up_proj of {sparse} {cls} modules, one rank-4 adapter per expert; "
         "W + s·B·A made by peft at each call, read by our moe_experts" in report
     ), report
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_merge_matches_peft_and_counts_match_the_plan(model_type):
     """Our merged state dict equals peft's merge_and_unload (GPT-OSS's [E, H, 2I] gate_up_proj
     included), the merged plain model gives the adapted model's logits, and the plan's adapter
     count is what peft trains."""
     base = tiny_moe(model_type)
-    recipe = lora_recipe(*EXPERTS, ATTENTION)
-    linear = lora_params(base, 4, ["q_proj", "k_proj", "v_proj", "o_proj"])
+    attention = ATTENTION_OF.get(model_type, ATTENTION)
+    recipe = lora_recipe(*EXPERTS, attention)
+    linear = lora_params(base, 4, attention.split("[")[1].rstrip("]").split(", "))
     experts = expert_lora_params(base, 4, "experts")
     adapted, _ = apply_lora(base, recipe)
     trained = [(n, p) for n, p in adapted.named_parameters() if p.requires_grad]

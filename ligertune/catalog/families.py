@@ -27,6 +27,8 @@ vision tower and projector (`VisionTower`), each a field of `Family` that is Non
 text families. GPT-OSS differs from the Llama layout twice in ways a kernel sees: its RMSNorm
 multiplies the weight in fp32 before the one cast (the "gemma" casting with offset 0), and its
 rotary cos/sin carry half the rotary width, each value used for both halves (``rope_half_cos``).
+DeepSeek-V3 differs in its attention (multi-head latent attention, with RoPE on interleaved pairs:
+``rope_interleave``, ``latent_attention``) and its routing (its row says how).
 For a vision-language family the text fields above name the language model's classes (its
 decoder layer, attention, MLP) and ``causal_lm`` the ``...ForConditionalGeneration`` class that
 holds the lm_head; the vision tower's own RMSNorm is the same class as the language model's
@@ -47,7 +49,15 @@ class Experts:
     ``routing``: "softmax_topk": softmax over all experts' logits, then the top k of those
     probabilities (renormalised to sum to 1 when ``renormalise`` says so: True, or the name of
     the config attribute that decides it, Qwen's ``norm_topk_prob``); "topk_softmax": the top k
-    logits, then a softmax over those k (GPT-OSS; the weights sum to 1 by construction).
+    logits, then a softmax over those k (GPT-OSS; the weights sum to 1 by construction);
+    "sigmoid_group_topk" (DeepSeek-V3): scores ``s = sigmoid(logits)``; the choice is made on
+    ``s + b``, ``b`` the router's ``e_score_correction_bias`` buffer: the E experts fall into
+    ``n_group`` groups of consecutive experts, each group scored by the sum of its two best
+    ``s + b``, the ``topk_group`` best groups kept, and the k best ``s + b`` among their experts
+    chosen; the weights are the chosen experts' ``s`` (without ``b``), renormalised as
+    ``renormalise`` says, times ``routed_scaling_factor``. The router computes it all: our
+    kernel takes its indices and weights as given, so the record only describes it (checked
+    against the router in ``tests/test_moe.py``).
     The experts module (``experts``) is what the ``moe_experts`` kernel patches; ``expert_activation``
     picks its layout (docs/moe.md).
     """
@@ -58,16 +68,22 @@ class Experts:
     router_attr: str  # the router's attribute in the sparse block
     num_experts_attr: str
     expert_width_attr: str  # one expert's intermediate size
-    routing: str  # "softmax_topk" | "topk_softmax"
+    routing: str  # "softmax_topk" | "topk_softmax" | "sigmoid_group_topk"
     renormalise: bool | str = False
     top_k_attr: str = "num_experts_per_tok"
-    aux_loss_coef_attr: str = "router_aux_loss_coef"
+    # None: transformers computes no load-balancing loss for the family (DeepSeek-V3 balances
+    # without one, by moving its router's score bias between steps): no aux_loss term, no
+    # ``model.router_aux_loss`` key, and the fused forward is the dense one.
+    aux_loss_coef_attr: str | None = "router_aux_loss_coef"
     output_router_logits_attr: str = "output_router_logits"
-    # Qwen2-MoE: a dense MLP every token goes through beside the routed experts, scaled by
-    # sigmoid(shared_expert_gate(x)); it is the family's `mlp` class, so the gated kernel finds it.
+    # A dense MLP every token goes through beside the routed experts; it is the family's `mlp`
+    # class, so the gated kernel finds it. Qwen2-MoE scales it by sigmoid(shared_expert_gate(x))
+    # and sizes it by its own attribute; DeepSeek-V3's has no gate and is as wide as
+    # ``shared_experts_count_attr`` routed experts.
     shared_expert_attr: str | None = None
     shared_expert_gate_attr: str | None = None
     shared_expert_width_attr: str | None = None
+    shared_experts_count_attr: str | None = None
     experts_biased: bool = False  # GPT-OSS: biases on both expert projections and the router
     expert_activation: str = "silu"  # GPT-OSS: "clamped_swiglu" (alpha 1.702, limit 7, (up + 1)·glu)
     # The experts module's 3-D weights, one [E, ·, ·] tensor per projection of every expert: what
@@ -75,6 +91,14 @@ class Experts:
     # store them [E, out, in], GPT-OSS [E, in, out]; peft reads that from the module's
     # ``is_transposed``, which transformers sets on GPT-OSS's experts class.
     weights: tuple[str, ...] = ("gate_up_proj", "down_proj")
+
+    def shared_width(self, config) -> int:
+        """The shared expert's intermediate size in `config` (0: the family has none)."""
+        if self.shared_expert_width_attr:
+            return getattr(config, self.shared_expert_width_attr)
+        if self.shared_experts_count_attr:
+            return getattr(config, self.shared_experts_count_attr) * getattr(config, self.expert_width_attr)
+        return 0
 
 
 @dataclass(frozen=True)
@@ -143,6 +167,13 @@ class Family:
     mlp_fused_gate_up: bool = False  # Phi3: gate_up_proj → (gate, up) halves
     logit_softcap_attr: str | None = None  # config attribute read at call time (None: no softcap)
     rope_half_cos: bool = False  # GPT-OSS: cos/sin hold half the rotary width, reused for both halves
+    # DeepSeek-V3: the attention may also call ``apply_rotary_pos_emb_interleave`` (config
+    # ``rope_interleave``), which the RoPE patch binds to our kernel after a permutation.
+    rope_interleave: bool = False
+    # DeepSeek-V3's multi-head latent attention: q and k/v come out of low-rank latents
+    # (config q_lora_rank, kv_lora_rank) with q/k heads of qk_nope_head_dim + qk_rope_head_dim and
+    # v heads of v_head_dim; the memory plan and the FLOPs count read those (`ModelShape.latent`).
+    latent_attention: bool = False
     experts: Experts | None = None  # mixture-of-experts families only
     vision: VisionTower | None = None  # a vision-language family's vision tower and projector
     # Decoder layer classes interleaved with ``decoder_layer`` in the same stack (Mllama's
@@ -292,6 +323,36 @@ FAMILIES: dict[str, Family] = {
                 routing="topk_softmax",
                 experts_biased=True,
                 expert_activation="clamped_swiglu",
+            ),
+        ),
+        # DeepSeek-V3 (and models of its architecture: Moonlight, Kimi-K2). What differs from the
+        # rows above, and why it matters to a kernel:
+        # - routing: sigmoid scores, a score bias and group-limited top-k (`Experts.routing`),
+        #   computed by HF's router; our experts kernel takes its indices and weights as given;
+        # - no balancing loss in transformers (its experts are balanced by the router's bias,
+        #   updated outside the gradient), so no aux_loss and the dense fused forward;
+        # - a shared expert without a gate (DeepseekV3MLP, moe_intermediate_size × n_shared_experts:
+        #   the SwiGLU kernel), and dense MLPs (the same class) in the first first_k_dense_replace layers;
+        # - multi-head latent attention: q_a_layernorm and kv_a_layernorm are DeepseekV3RMSNorm
+        #   (found by type); RoPE rotates only the qk_rope_head_dim part, in interleaved pairs
+        #   when config.rope_interleave (the default) says so.
+        _llama_like(
+            "deepseek_v3",
+            "DeepseekV3",
+            rope_interleave=True,
+            latent_attention=True,
+            experts=Experts(
+                sparse_block="DeepseekV3MoE",
+                router="DeepseekV3TopkRouter",
+                experts="DeepseekV3Experts",
+                router_attr="gate",
+                num_experts_attr="n_routed_experts",
+                expert_width_attr="moe_intermediate_size",
+                routing="sigmoid_group_topk",
+                renormalise="norm_topk_prob",
+                aux_loss_coef_attr=None,
+                shared_expert_attr="shared_experts",
+                shared_experts_count_attr="n_shared_experts",
             ),
         ),
         # Qwen2.5-VL: the language model is Qwen2's (its MLP class is Qwen2MLP in this modeling

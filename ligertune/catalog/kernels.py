@@ -38,7 +38,7 @@ KERNELS: tuple[KernelEntry, ...] = (
     KernelEntry(
         "moe_experts",
         "Mixture-of-experts routed experts on grouped GEMMs with a fused, recomputed gated "
-        "activation (Qwen3-MoE, Qwen2-MoE, Mixtral, GPT-OSS); transformers' own experts where it cannot "
+        "activation (Qwen3-MoE, Qwen2-MoE, Mixtral, GPT-OSS, DeepSeek-V3); transformers' own experts where it cannot "
         "compute them (docs/moe.md).",
         True,
     ),

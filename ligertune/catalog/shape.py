@@ -39,6 +39,21 @@ class VisionShape:
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention (MLA), as the memory plan counts it
+    (`ligertune.plan.activations`). Per token: ``q = q_b(norm(q_a(x)))`` through a latent of
+    ``q_rank`` (0: one ``q_proj`` from x), and ``[c | k_rope] = kv_a(x)``, ``[k_nope | v] =
+    kv_b(norm(c))`` through a latent c of ``kv_rank``; every head's q and k are
+    ``head_dim = nope + rope_dim`` wide, the last ``rope_dim`` rotated (k's rotated part is one
+    for all heads), its v ``v_head_dim`` wide."""
+
+    q_rank: int
+    kv_rank: int
+    rope_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """The sizes that decide memory and FLOPs, read from a (meta-device) model and its config
     (a multimodal model's ``text_config`` for the language model's geometry)."""
@@ -51,7 +66,7 @@ class ModelShape:
     intermediate: int
     vocab: int
     params: int  # all parameters
-    layer_params: int  # one decoder layer
+    layer_params: int  # the largest decoder layer (an MoE layer where the first ones are dense)
     embed_params: int  # the input embedding
     head_params: int  # the lm_head (0 when tied to the embedding)
     lora_params: int = 0  # trainable adapter parameters (0: full fine-tuning)
@@ -63,6 +78,7 @@ class ModelShape:
     experts: int = 0  # routed experts per MoE layer
     top_k: int = 0  # experts per token
     expert_params: int = 0  # the routed experts' weights, all layers (all of them in `params`)
+    expert_layers: int = 0  # the layers holding them (DeepSeek's first layers are dense)
     # Parameters `model.freeze` leaves untrained (a vision-language model's named parts): like
     # LoRA's frozen base, weights without gradients or AdamW moments.
     frozen_params: int = 0
@@ -71,6 +87,17 @@ class ModelShape:
     # windows, softcapping, attention dropout, images: `ligertune.models.attention.context_parallel_problem`),
     # or None. The memory plan proposes ``parallel.context_parallel`` only where it is None.
     row_split_problem: str | None = None
+    latent: LatentAttention | None = None  # multi-head latent attention (DeepSeek-V3); head_dim is q/k's
+
+    @property
+    def v_head_dim(self) -> int:
+        """One head's width of v and of the attention's output (q/k's, `head_dim`, but in MLA)."""
+        return self.latent.v_head_dim if self.latent else self.head_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated part of a q/k head: all of it, but in MLA (where cos/sin are this wide)."""
+        return self.latent.rope_dim if self.latent else self.head_dim
 
     @property
     def trainable(self) -> int:
@@ -88,11 +115,11 @@ class ModelShape:
 
     @property
     def layer_active_params(self) -> int:
-        """One decoder layer's parameters a token computes with (its MoE layers taken as alike:
-        each holds 1/layers of the routed experts' weights)."""
+        """The largest decoder layer's parameters a token computes with (its MoE layers taken as
+        alike: each holds 1/expert_layers of the routed experts' weights)."""
         if not self.experts:
             return self.layer_params
-        inactive = self.expert_params // self.layers * (self.experts - self.top_k) // self.experts
+        inactive = self.expert_params // self.expert_layers * (self.experts - self.top_k) // self.experts
         return self.layer_params - inactive
 
     @property
@@ -104,8 +131,9 @@ class ModelShape:
 
     @property
     def attention_width(self) -> int:
-        """d_attn = heads × head_dim: the width of QKᵀ and PV."""
-        return self.heads * self.head_dim
+        """d_attn = heads × head_dim: the width of QKᵀ and PV; their mean where v heads are
+        narrower than q/k's (MLA: QKᵀ is heads × head_dim wide, PV heads × v_head_dim)."""
+        return self.heads * (self.head_dim + self.v_head_dim) // 2
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token, 6·N + 12·L·d_attn·S (`ligertune.run.metrics` explains the

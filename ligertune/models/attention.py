@@ -426,9 +426,12 @@ def context_parallel_problem(model: nn.Module) -> str | None:
     config = model.config
     family = FAMILIES.get(getattr(config, "model_type", None))
     if family is not None and family.experts is not None:
-        return (
-            f"{config.model_type} is a mixture-of-experts model (its router loss is a mean over each forward)"
+        why = (
+            "its router loss is a mean over each forward"
+            if family.experts.aux_loss_coef_attr
+            else "not tried with context parallelism"
         )
+        return f"{config.model_type} is a mixture-of-experts model ({why})"
     if getattr(config, "vision_config", None) is not None:
         return f"{config.model_type} is a vision-language model"
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):

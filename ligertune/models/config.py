@@ -14,6 +14,7 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ligertune.catalog.architectures import SHIPPED_CONFIGS
+from ligertune.catalog.families import FAMILIES
 from ligertune.errors import RecipeError, shown
 from ligertune.paths import looks_local
 
@@ -77,12 +78,17 @@ def build_config(recipe: Recipe):
     ``model.router_aux_loss`` applied."""
     config = _overridden_config(recipe)
     wanted = recipe.model.router_aux_loss
-    if not hasattr(config, ROUTER_LOSS_FIELD):
+    family = FAMILIES.get(config.model_type)
+    # DeepSeek-V3's config has the field from transformers 5.2x on, for its router logits alone:
+    # its family record says no balancing loss comes with them.
+    lossless = family is not None and family.experts is not None and family.experts.aux_loss_coef_attr is None
+    if lossless or not hasattr(config, ROUTER_LOSS_FIELD):
         if wanted:
+            why = "it balances its experts without one" if lossless else "it has none"
             raise RecipeError(
                 [
                     f"model.router_aux_loss: true needs a mixture-of-experts model with a router loss; "
-                    f"model_type {config.model_type!r} has none (remove the key)"
+                    f"model_type {config.model_type!r}: {why} in transformers (remove the key)"
                 ]
             )
         return config

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ligertune.catalog.families import FAMILIES
-from ligertune.catalog.shape import ModelShape, VisionShape
+from ligertune.catalog.shape import LatentAttention, ModelShape, VisionShape
 from ligertune.errors import RecipeError
 from ligertune.models.attention import context_parallel_problem
 from ligertune.models.build import build_model, decoder_layers, frozen_parameters, tokens_per_image
@@ -35,21 +35,31 @@ def model_shape(model: nn.Module, lora_params: int = 0) -> ModelShape:
     head = model.get_output_embeddings()
     head_weight = head.weight if head is not None else embed
     unique = {id(p): p for p in model.parameters()}
-    intermediate, moe = config.intermediate_size, {}
+    intermediate, extra = config.intermediate_size, {}
     family = FAMILIES.get(getattr(config, "model_type", None))
     if family is not None and family.experts is not None:
         e = family.experts
         top_k = getattr(config, e.top_k_attr)
-        shared = getattr(config, e.shared_expert_width_attr) if e.shared_expert_width_attr else 0
         # What one token goes through: k routed experts and the shared one (`ModelShape`).
-        intermediate = top_k * getattr(config, e.expert_width_attr) + shared
+        intermediate = top_k * getattr(config, e.expert_width_attr) + e.shared_width(config)
         experts_class = family.resolve(e.experts)
-        routed = {id(p): p for m in model.modules() if isinstance(m, experts_class) for p in m.parameters()}
-        moe = dict(
+        modules = [m for m in model.modules() if isinstance(m, experts_class)]
+        routed = {id(p): p for m in modules for p in m.parameters()}
+        extra = dict(
             experts=getattr(config, e.num_experts_attr),
             top_k=top_k,
             expert_params=sum(p.numel() for p in routed.values()),
+            expert_layers=len(modules),
         )
+    if family is not None and family.latent_attention:
+        extra["latent"] = LatentAttention(
+            q_rank=config.q_lora_rank or 0,
+            kv_rank=config.kv_lora_rank,
+            rope_dim=config.qk_rope_head_dim,
+            v_head_dim=config.v_head_dim,
+        )
+        # The config's head_dim is the rotary part's (what its rotary module reads).
+        head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
     return ModelShape(
         layers=len(layers),
         hidden=config.hidden_size,
@@ -59,12 +69,12 @@ def model_shape(model: nn.Module, lora_params: int = 0) -> ModelShape:
         intermediate=intermediate,
         vocab=embed.shape[0],
         params=sum(p.numel() for p in unique.values()),
-        layer_params=sum(p.numel() for p in layers[0].parameters()),
+        layer_params=max(sum(p.numel() for p in layer.parameters()) for layer in layers),
         embed_params=embed.numel(),
         head_params=0 if head_weight is embed else head_weight.numel(),
         lora_params=lora_params,
         row_split_problem=context_parallel_problem(model),
-        **moe,
+        **extra,
     )
 
 

@@ -81,10 +81,11 @@ class Router:
 
 
 def router_of(model: nn.Module | None) -> Router | None:
-    """The `Router` of a mixture-of-experts model of the family table, or None (dense, unknown)."""
+    """The `Router` of a mixture-of-experts model of the family table with a balancing loss, or
+    None (dense, unknown, or balanced without a loss: DeepSeek-V3, whose forward returns none)."""
     config = getattr(model, "config", None)
     family = FAMILIES.get(getattr(config, "model_type", None))
-    if family is None or family.experts is None:
+    if family is None or family.experts is None or family.experts.aux_loss_coef_attr is None:
         return None
     experts = family.experts
     return Router(getattr(config, experts.top_k_attr), getattr(config, experts.aux_loss_coef_attr))

@@ -19,7 +19,8 @@ config's), the fused forward adds the router's load-balancing loss exactly as HF
 ``*MoeForCausalLM`` does, with the modeling module's own ``load_balancing_loss_func``, times the
 config's ``router_aux_loss_coef``, once per forward (the SFT objective reweights it over an
 accumulation window: `ligertune.objectives.causal_lm`). No family of the table has a router
-z-loss in transformers 5.17.
+z-loss in transformers 5.17. DeepSeek-V3 has no balancing loss there at all (its router's score
+bias balances the experts): its fused forward is the dense families'.
 """
 
 from __future__ import annotations
@@ -340,7 +341,9 @@ def patch_fused_linear_cross_entropy(patcher: Patcher) -> None:
     lms, failures = _causal_lms(patcher, kernel)
     targets = []
     family = patcher.family
-    experts = family.experts
+    # A mixture of experts without a balancing loss in transformers (DeepSeek-V3) has HF's dense
+    # causal-LM forward: nothing to add, no output_router_logits in its signature.
+    experts = family.experts if family.experts and family.experts.aux_loss_coef_attr else None
     forward = partial_forward(
         _fused_causal_lm_forward if experts is None else _fused_moe_causal_lm_forward,
         _softcap_attr=family.logit_softcap_attr,

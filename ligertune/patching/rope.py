@@ -14,8 +14,12 @@ the rotary width and its ``apply_rotary_pos_emb`` uses each value for both halve
 (``[x₁·cos − x₂·sin, x₂·cos + x₁·sin]``): the same rotation as the rotate-half layout with cos/sin
 repeated, so for a family with ``rope_half_cos`` the scope binds `apply_rotary_pos_emb_half_cos`,
 which repeats them (a [S, D/2] copy per layer, against the [B, H, S, D] q and k) and calls the
-kernel. Its attention sinks are untouched (attention stays HF's). This needs the family's
-attention class, so a family missing from the table gets no RoPE kernel.
+kernel. Its attention sinks are untouched (attention stays HF's). DeepSeek-V3's attention calls
+``apply_rotary_pos_emb_interleave`` instead when ``config.rope_interleave`` is on (the default):
+its rotary part is laid out in interleaved pairs, and for a family with ``rope_interleave`` the
+scope binds that name to `apply_rotary_pos_emb_interleave`, which permutes them to halves and
+calls the kernel. This needs the family's attention class, so a family missing from the table
+gets no RoPE kernel.
 
 The copy is the namespace of a module of its own, registered in ``sys.modules`` under
 ``ligertune.patching.rope.scopes.<modeling module>``, because torch.compile finds an inlined
@@ -34,10 +38,12 @@ from collections.abc import Callable
 
 import torch
 
+from ligertune.catalog.families import Family
 from ligertune.kernels import rope as rope_kernel
 from ligertune.patching.common import Patcher, patches
 
 ROPE_NAME = "apply_rotary_pos_emb"
+INTERLEAVE_NAME = "apply_rotary_pos_emb_interleave"
 
 _ROPE_FORWARDS: dict[Callable, Callable] = {}
 
@@ -50,9 +56,34 @@ def apply_rotary_pos_emb_half_cos(q, k, cos, sin, unsqueeze_dim=1, *, in_place=F
     )
 
 
-def _kernel_scope(hf_globals: dict, half_cos: bool) -> dict:
+def apply_rotary_pos_emb_interleave(q, k, cos, sin, unsqueeze_dim=1):
+    """DeepSeek-V3's ``apply_rotary_pos_emb_interleave`` on our kernel.
+
+    Its q and k carry the rotary dimensions in interleaved pairs ``(x₀, x₁), (x₂, x₃), ...``,
+    pair i rotated by angle θᵢ, and it returns them in halves::
+
+        y = [x_even·c − x_odd·s | x_odd·c + x_even·s]        c, s = cos, sin[..., :D/2] (θᵢ)
+
+    which is the rotate-half rotation of the permuted ``x' = [x_even | x_odd]`` with cos/sin
+    ``[c | c]``, ``[s | s]``: the permutation (a copy of q's and k's rotary parts), then
+    `apply_rotary_pos_emb_half_cos` on the first half of HF's cos/sin, so that whatever its
+    second half holds, only the first is read, as HF reads it. The output is not permuted back,
+    as HF's is not: the same permutation of q and k leaves every q·k unchanged. Its backward is
+    the kernel's, then autograd's for the permutation (the inverse gather)."""
+
+    def halves(x):
+        return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+    half = cos.shape[-1] // 2
+    return apply_rotary_pos_emb_half_cos(
+        halves(q), halves(k), cos[..., :half], sin[..., :half], unsqueeze_dim
+    )
+
+
+def _kernel_scope(hf_globals: dict, family: Family) -> dict:
     """The namespace of the module ``scopes.<HF module>``: a copy of ``hf_globals`` with our
-    ``apply_rotary_pos_emb``, created (and registered in ``sys.modules``) on first use."""
+    ``apply_rotary_pos_emb`` (and ``apply_rotary_pos_emb_interleave`` for a family that has
+    it), created (and registered in ``sys.modules``) on first use."""
     name = f"{__name__}.scopes.{hf_globals['__name__']}"
     module = sys.modules.get(name)
     if module is None:
@@ -60,13 +91,15 @@ def _kernel_scope(hf_globals: dict, half_cos: bool) -> dict:
         vars(module).update(hf_globals)
         # Its own identity: neither importlib nor torch.compile may take it for the HF module.
         module.__name__, module.__spec__ = name, None
-        rope = apply_rotary_pos_emb_half_cos if half_cos else rope_kernel.apply_rotary_pos_emb
+        rope = apply_rotary_pos_emb_half_cos if family.rope_half_cos else rope_kernel.apply_rotary_pos_emb
         setattr(module, ROPE_NAME, rope)
+        if family.rope_interleave:
+            setattr(module, INTERLEAVE_NAME, apply_rotary_pos_emb_interleave)
         sys.modules[name] = module
     return vars(module)
 
 
-def rope_forward_for(hf_forward: Callable, half_cos: bool = False) -> Callable | str:
+def rope_forward_for(hf_forward: Callable, family: Family) -> Callable | str:
     """The attention forward that calls our RoPE kernel, or the reason there cannot be one."""
     if not isinstance(hf_forward, types.FunctionType) or hasattr(hf_forward, "__wrapped__"):
         return f"{hf_forward.__qualname__} is wrapped or not a plain function; its globals cannot be rebound"
@@ -74,7 +107,7 @@ def rope_forward_for(hf_forward: Callable, half_cos: bool = False) -> Callable |
         return f"{hf_forward.__qualname__} does not call {ROPE_NAME} by name"
     forward = _ROPE_FORWARDS.get(hf_forward)
     if forward is None:
-        scope = _kernel_scope(hf_forward.__globals__, half_cos)
+        scope = _kernel_scope(hf_forward.__globals__, family)
         forward = types.FunctionType(
             hf_forward.__code__, scope, hf_forward.__name__, hf_forward.__defaults__, hf_forward.__closure__
         )
@@ -93,7 +126,7 @@ def patch_rope(patcher: Patcher) -> None:
         return
     targets, failures = [], []
     for name, module in patcher.family_instances(family.attention):
-        forward = rope_forward_for(type(module).forward, family.rope_half_cos)
+        forward = rope_forward_for(type(module).forward, family)
         if isinstance(forward, str):
             failures.append((name, forward))
         else:

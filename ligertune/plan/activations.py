@@ -53,11 +53,20 @@ from ligertune.plan.setting import (
 
 
 def _norm_saved(
-    name: str, shape: ModelShape, s: Setting, fused: bool, output_saved: bool, consumer: str | None = None
+    name: str,
+    shape: ModelShape,
+    s: Setting,
+    fused: bool,
+    output_saved: bool,
+    consumer: str | None = None,
+    width: int | None = None,
 ) -> list[Saved]:
     """A norm's saved tensors; its output when `output_saved`, as saved by the linear layers of
-    the `consumer` sub-module."""
-    es, ea, h = stream_bytes(s), compute_bytes(s), shape.hidden
+    the `consumer` sub-module. A norm of the residual stream by default; of `width` inside the
+    attention (MLA's latents: a projection's output, in the compute dtype)."""
+    es, ea, h = stream_bytes(s), compute_bytes(s), width or shape.hidden
+    if width:
+        es = ea
     if fused:  # our kernel: x and rstd (rms_norm.py `_rms_norm_setup`)
         saved = [Saved(f"{name}: input x", h, es), Saved(f"{name}: rstd", 1, 4)]
     else:  # HF: x.to(fp32) (pow, mul), rsqrt(var+eps) (mul), x·rstd in the input dtype (weight mul)
@@ -91,12 +100,15 @@ def layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
             Saved("attention: k", kv_attn, ea, "attention"),
             Saved("attention: v", kv_attn, ea, "attention"),
         ]
-    saved += [
-        Saved("attention: q", q, ea, "attention"),
-        *keys,
-        Saved("attention: output (o_proj's input)", q, ea, "attention"),
-        Saved("attention: log-sum-exp", shape.heads, 4, "attention"),
-    ]
+    if shape.latent:
+        saved += _latent_saved(shape, s)
+    else:
+        saved += [
+            Saved("attention: q", q, ea, "attention"),
+            *keys,
+            Saved("attention: output (o_proj's input)", q, ea, "attention"),
+            Saved("attention: log-sum-exp", shape.heads, 4, "attention"),
+        ]
     saved += _norm_saved("post_attention_layernorm", shape, s, "rms_norm" in k, True, "mlp")
     i = shape.intermediate
     if shape.experts and "moe_experts" in k:
@@ -121,6 +133,46 @@ def layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
             Saved("experts: outputs before the routing weights", k * h, ea, "mlp"),
             Saved("router: probabilities", shape.experts, 4, "mlp"),
         ]
+    return saved
+
+
+def _latent_saved(shape: ModelShape, s: Setting) -> list[Saved]:
+    """What DeepSeek-V3's multi-head latent attention saves per token (`LatentAttention`, as
+    transformers writes it): the latents' norms (q_a_layernorm, kv_a_layernorm) and their outputs,
+    kept by q_b_proj and kv_b_proj (kv_a_layernorm's input is a view of kv_a_proj_with_mqa's
+    output, which keeps k's rotary columns alive with it); q and k at every head's ``head_dim``
+    (k's ``k_nope | k_rope`` is a new tensor), v as sdpa keeps it: a view of kv_b_proj's output,
+    whose whole storage (``k_nope | v`` per head) it keeps alive; sdpa's output and its
+    log-sum-exp, and o_proj's input, a copy: q is ``[B, H, S, D]`` in memory (a concatenation),
+    so sdpa's output is too, and its ``[B, S, H·D]`` reshape copies it. RoPE keeps cos/sin;
+    ours, for the interleaved layout, its own copies of their first halves, repeated
+    (`ligertune.patching.rope.apply_rotary_pos_emb_interleave`), per layer. Checked against
+    autograd's record on a tiny model, eager and ours, in fp32 (``tests/test_moe.py``)."""
+    ea, latent, heads = compute_bytes(s), shape.latent, shape.heads
+    fused = "rms_norm" in s.kernels
+    saved = []
+    if latent.q_rank:
+        saved += _norm_saved("attention: q_a_layernorm", shape, s, fused, True, "attention", latent.q_rank)
+    saved += _norm_saved("attention: kv_a_layernorm", shape, s, fused, True, "attention", latent.kv_rank)
+    nope = shape.head_dim - latent.rope_dim
+    saved += [
+        Saved("attention: q", heads * shape.head_dim, ea, "attention"),
+        Saved("attention: k", heads * shape.head_dim, ea, "attention"),
+        Saved(
+            "attention: k's rotary columns (kv_a_layernorm's input is a view)",
+            latent.rope_dim,
+            ea,
+            "attention",
+        ),
+        Saved("attention: v (kv_b_proj's output)", heads * (nope + latent.v_head_dim), ea, "attention"),
+        Saved("attention: output", heads * latent.v_head_dim, ea, "attention"),
+        Saved("attention: log-sum-exp", heads, 4, "attention"),
+        Saved("attention: o_proj's input (the output, copied)", heads * latent.v_head_dim, ea, "attention"),
+    ]
+    if "rope" in s.kernels:
+        saved.append(
+            Saved("rope: cos and sin halves, repeated (per layer)", 2 * latent.rope_dim, ea, "attention")
+        )
     return saved
 
 
@@ -193,7 +245,7 @@ def model_saved(shape: ModelShape, s: Setting) -> list[Saved]:
     # rows carry their own; counted per token (the larger).
     saved = [
         Saved("input ids (the embedding's backward)", 1, 8),
-        Saved("rope: cos and sin (shared by the layers)", 2 * shape.head_dim, ea),
+        Saved("rope: cos and sin (shared by the layers)", 2 * shape.rotary_dim, ea),
     ]
     head = head_path(s)
     saved += _norm_saved("final norm", shape, s, "rms_norm" in k, head != "fused")

@@ -1,4 +1,5 @@
-"""RoPE kernel vs float64 references: transformers' own apply_rotary_pos_emb and rope_reference.
+"""RoPE kernel vs float64 references: transformers' own apply_rotary_pos_emb (DeepSeek-V3's
+interleaved-pairs variant too) and rope_reference.
 
 Forward and backward on fresh random inputs; GQA, partial rotary, broadcast cos/sin, strided
 q/k (HF's transposed view, slices of a fused qkv), both layouts, odd sizes, fp32 and bf16.
@@ -10,6 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import LlamaConfig, Phi3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
+    apply_rotary_pos_emb_interleave as deepseek_interleave,
+)
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama_rope
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
@@ -17,6 +21,7 @@ from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_
 
 from ligertune.kernels import rope as rope_module
 from ligertune.kernels.rope import apply_rotary_pos_emb, rope_reference
+from ligertune.patching.rope import apply_rotary_pos_emb_interleave
 from tests.kernels.helpers import (
     assert_close,
     fresh_randn,
@@ -45,14 +50,20 @@ def make_qk(batch, seq, n_q, n_k, head_dim, layout, dtype, device):
     return q.requires_grad_(), k.requires_grad_()
 
 
-def check_against(reference, q, k, cos, sin, unsqueeze_dim=1, grad_layout="like_output", in_place=False):
-    """Forward and backward of ours vs `reference` run in float64 on the same (rounded) inputs.
+def check_against(
+    reference, q, k, cos, sin, unsqueeze_dim=1, grad_layout="like_output", in_place=False, ours=None
+):
+    """Forward and backward of ours (`apply_rotary_pos_emb`, or `ours`) vs `reference` run in
+    float64 on the same (rounded) inputs.
 
     ``grad_layout``: the incoming gradients' memory order, "like_output" (as the outputs) or
     "heads_major" (contiguous ``[B, H, S, D]``, as attention kernels and the benchmark hand
     them over). Returns the incoming gradients and ours (for in-place checks).
     """
-    q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, in_place=in_place)
+    if ours is None:
+        q_out, k_out = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim, in_place=in_place)
+    else:
+        q_out, k_out = ours(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     q64 = q.detach().double().requires_grad_()
     k64 = k.detach().double().requires_grad_()
     q_ref, k_ref = reference(q64, k64, cos.double(), sin.double(), unsqueeze_dim=unsqueeze_dim)
@@ -196,6 +207,23 @@ def test_phi3_partial_rotary_embedding(dtype, device, poisoned_allocations):
     cos, sin = Phi3RotaryEmbedding(config).to(device)(q, torch.arange(seq, device=device)[None])
     assert cos.shape == (1, seq, 16)
     check_against(phi3_rope, q, k, cos, sin)
+
+
+@pytest.mark.parametrize(
+    "batch, seq, heads, nope, rope", [(2, 7, 3, 8, 6), (1, 5, 5, 0, 2), (3, 9, 2, 4, 10)], ids=str
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_deepseek_interleaved_pairs(batch, seq, heads, nope, rope, dtype, device, poisoned_allocations):
+    """DeepSeek-V3's interleaved-pairs RoPE (the permutation, then our kernel) against its own
+    ``apply_rotary_pos_emb_interleave`` in float64, forward and backward, on the shapes its
+    attention hands over: q's rotary part a strided slice of ``[B, H, S, nope + rope]`` heads, k's
+    one head for all; odd halves (3, 5) included. cos/sin halves unrelated, so reading HF's second
+    half (which it never reads) would show."""
+    q_heads = fresh_randn(batch, seq, heads, nope + rope, dtype=dtype, device=device).transpose(1, 2)
+    q = q_heads[..., nope:].detach().requires_grad_()
+    k = fresh_randn(batch, 1, seq, rope, dtype=dtype, device=device).requires_grad_()
+    cos, sin = (fresh_randn(batch, seq, rope, dtype=dtype, device=device) for _ in range(2))
+    check_against(deepseek_interleave, q, k, cos, sin, ours=apply_rotary_pos_emb_interleave)
 
 
 @pytest.mark.parametrize("unsqueeze_dim", [1, 2])
