@@ -23,8 +23,8 @@
 # long    context parallelism: the Llama-3.2-1B shape on one 1,048,576-token row over every GPU
 #         (one step, its time includes the first step's compilation).
 # long32k the Llama-3-8B shape at 32,768 tokens, FSDP2 alone against CP over every GPU.
-# tests   the GPU tests of context parallelism (2 GPUs) and of drawing a random init on the GPU
-#         (one GPU), side by side.
+# tests   the GPU tests of context parallelism (2 GPUs), of drawing a random init on the GPU and
+#         of the MoE families (one GPU each), side by side.
 #
 # Every arm: STEPS steps (default 8), the first WARMUP (3) left out of the rates, at most
 # ARM_TIMEOUT_S (170 s) and never past the budget; arms that would start after BUDGET_S (480 s)
@@ -41,7 +41,7 @@ WARMUP=${WARMUP:-3}
 ARM_TIMEOUT_S=${ARM_TIMEOUT_S:-170}
 BUDGET_S=${BUDGET_S:-480}
 RECIPE=recipes/llama3-8b-alpaca-bench.yaml
-WORK=$(mktemp -d)
+WORK=${WORK:-$(mktemp -d)}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 start=$(date +%s)
@@ -53,13 +53,43 @@ left() { local l=$((BUDGET_S - ($(date +%s) - start))); echo $((l > 0 ? l : 0));
 bench() {
   local name=$1 providers=$2
   shift 2
+  tables+=("$name")
   "$PYTHON" scripts/e2e_bench.py "$RECIPE" --nproc-per-node "$gpus" --steps "$STEPS" --warmup "$WARMUP" \
     --providers "$providers" parallel.strategy=fsdp "$@" --timeout "$ARM_TIMEOUT_S" --time-budget "$(left)" \
     --out "$WORK/$name" > "$WORK/$name.log" 2>&1
   echo "$name: exit $? ($(( $(date +%s) - start )) s)"
 }
 
+# summary.md and results.tar.gz are written on the way out, also when the run is interrupted
+# (timeout -s INT): whatever finished is kept.
+finish() {
+  {
+    report_header "Speed at scale, part $PART"
+    if [[ -f $WORK/profile.log ]]; then
+      echo "## profiles (full checkpointing, 4 × 2048 per GPU)"; echo
+      cat "$WORK"/profile/*.md 2>/dev/null || tail -n 30 "$WORK/profile.log"
+      recompiles=$(grep -c '\[__recompiles\] Recompiling' "$WORK/profile.log")
+      breaks=$(grep -c '\[__graph_breaks\]' "$WORK/profile.log")
+      echo; echo "dynamo, all ranks: $recompiles recompiles, $breaks graph-break log lines"
+      grep -A3 '\[__recompiles\] Recompiling' "$WORK/profile.log" | grep -E 'rank0.*- ' | sort | uniq -c | head -20
+      grep '\[__graph_breaks\]' "$WORK/profile.log" | grep rank0 | sed 's/.*\[__graph_breaks\]//' | sort | uniq -c | sort -rn | head -20
+    fi
+    if [[ -n ${tests_run:-} ]]; then
+      echo "## GPU tests"; echo
+      for log in "$WORK"/tests-*.log; do echo "$(basename "$log"): $(tail -n 1 "$log")"; done
+    fi
+    for name in "${tables[@]}"; do
+      echo; echo "## $name"; echo
+      cat "$WORK/$name/e2e.md" 2>/dev/null || { echo "no table; log tail:"; tail -n 20 "$WORK/$name.log"; }
+    done
+    echo; echo "total: $(( $(date +%s) - start )) s"
+  } > "$OUT/summary.md"
+  tar -czf "$OUT/results.tar.gz" -C "$WORK" --exclude='random-tokens.jsonl' --exclude='*.pt' --exclude='dcp' .
+  cat "$OUT/summary.md"
+}
 tables=()
+trap finish EXIT
+trap 'exit 130' INT TERM
 for part in $PART; do
   case $part in
   diag)
@@ -71,8 +101,7 @@ for part in $PART; do
     bench ours ligertune "${no_ckpt[@]}"
     bench prefetch2 ligertune "${no_ckpt[@]}" parallel.fsdp.prefetch=2
     bench reduce-bf16 ligertune "${no_ckpt[@]}" parallel.fsdp.reduce_dtype=bf16
-    bench compile ligertune-compile "${no_ckpt[@]}"
-    tables+=(ours prefetch2 reduce-bf16 compile) ;;
+    bench compile ligertune-compile "${no_ckpt[@]}" ;;
   rest)
     # The providers whose own best setting auto cannot plan (Liger's kernels are a plugin the plan
     # does not count), and ZeRO-3 at the recipe's setting, DeepSpeed's defaults against larger
@@ -82,43 +111,38 @@ for part in $PART; do
     zero3=(parallel.strategy=deepspeed parallel.deepspeed.zero_stage=3)
     bench zero3 ligertune "${zero3[@]}"
     bench zero3-buckets ligertune "${zero3[@]}" parallel.deepspeed.config=scripts/ds_zero3_prefetch.json
-    bench zero3-liger liger "${zero3[@]}"
-    tables+=(liger-best eager-best zero3 zero3-buckets zero3-liger) ;;
+    bench zero3-liger liger "${zero3[@]}" ;;
   table)
     bench table eager,liger,ligertune,ligertune-compile,ligertune-compile-fp8-tensorwise,ligertune-compile-fp8,eager-compile-fp8 \
-      training.activation_checkpointing=auto training.micro_batch_size=auto
-    tables+=(table) ;;
+      training.activation_checkpointing=auto training.micro_batch_size=auto ;;
   70b)
     RECIPE=recipes/llama3-70b-alpaca-lora-bench.yaml STEPS=6 WARMUP=2 ARM_TIMEOUT_S=240
-    bench 70b-lora ligertune,liger,eager
-    tables+=(70b-lora) ;;
+    bench 70b-lora ligertune,liger,eager ;;
   lora)
     RECIPE=recipes/qwen3-30b-a3b-alpaca-lora-bench.yaml STEPS=8 WARMUP=3 ARM_TIMEOUT_S=200
     bench 30b-a3b-lora ligertune,eager
     RECIPE=recipes/llama3-8b-alpaca-lora-bench.yaml ARM_TIMEOUT_S=120
-    bench 8b-lora ligertune,liger,eager
-    tables+=(30b-a3b-lora 8b-lora) ;;
+    bench 8b-lora ligertune,liger,eager ;;
   dpo)
     RECIPE=recipes/llama3-8b-alpaca-bench.yaml STEPS=6 WARMUP=2 ARM_TIMEOUT_S=150
     bench 8b-dpo ligertune,liger,eager objective.name=dpo objective.reference=frozen \
-      training.micro_batch_size=2 --random-pairs 64
-    tables+=(8b-dpo) ;;
+      training.micro_batch_size=2 --random-pairs 64 ;;
   long)
     RECIPE=recipes/llama3.2-1b-alpaca-bench.yaml STEPS=1 WARMUP=0 ARM_TIMEOUT_S=420
     bench 1b-1m ligertune parallel.context_parallel="$gpus" training.micro_batch_size=1 \
       training.activation_checkpointing=full model.attn_implementation=flex_attention \
-      --random-rows 1 --seq-lens 1048576
-    tables+=(1b-1m) ;;
+      --random-rows 1 --seq-lens 1048576 ;;
   long32k)
     RECIPE=recipes/llama3-8b-longctx-bench.yaml STEPS=5 WARMUP=2 ARM_TIMEOUT_S=150
     bench 8b-32k-fsdp ligertune parallel.context_parallel=1 --seq-lens 32768 --random-rows 8
-    bench 8b-32k-cp ligertune --seq-lens 32768 --random-rows 8 parallel.context_parallel="$gpus"
-    tables+=(8b-32k-fsdp 8b-32k-cp) ;;
+    bench 8b-32k-cp ligertune --seq-lens 32768 --random-rows 8 parallel.context_parallel="$gpus" ;;
   tests)
     CUDA_VISIBLE_DEVICES=0,1 timeout 240 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
       tests/test_context_parallel.py > "$WORK/tests-cp.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=2 timeout 240 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
-      tests/test_draw_init.py > "$WORK/tests-draw-init.log" 2>&1
+      tests/test_draw_init.py > "$WORK/tests-draw-init.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=3 timeout 240 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
+      tests/test_moe_gpu.py > "$WORK/tests-moe.log" 2>&1
     wait
     echo "tests: ($(( $(date +%s) - start )) s)"
     tests_run=1 ;;
@@ -126,25 +150,4 @@ for part in $PART; do
   esac
 done
 
-{
-  report_header "Speed at scale, part $PART"
-  if [[ -f $WORK/profile.log ]]; then
-    echo "## profiles (full checkpointing, 4 × 2048 per GPU)"; echo
-    cat "$WORK"/profile/*.md 2>/dev/null || tail -n 30 "$WORK/profile.log"
-    echo; echo "dynamo, all ranks: $(grep -c '\[__recompiles\] Recompiling' "$WORK/profile.log") recompiles, \
-$(grep -c '\[__graph_breaks\]' "$WORK/profile.log") graph-break log lines"
-    grep -A3 '\[__recompiles\] Recompiling' "$WORK/profile.log" | grep -E 'rank0.*- ' | sort | uniq -c | head -20
-    grep '\[__graph_breaks\]' "$WORK/profile.log" | grep rank0 | sed 's/.*\[__graph_breaks\]//' | sort | uniq -c | sort -rn | head -20
-  fi
-  if [[ -n ${tests_run:-} ]]; then
-    echo "## GPU tests"; echo
-    for log in "$WORK"/tests-*.log; do echo "$(basename "$log"): $(tail -n 1 "$log")"; done
-  fi
-  for name in "${tables[@]}"; do
-    echo; echo "## $name"; echo
-    cat "$WORK/$name/e2e.md" 2>/dev/null || { echo "no table; log tail:"; tail -n 20 "$WORK/$name.log"; }
-  done
-  echo; echo "total: $(( $(date +%s) - start )) s"
-} > "$OUT/summary.md"
-tar -czf "$OUT/results.tar.gz" -C "$WORK" --exclude='random-tokens.jsonl' --exclude='*.pt' --exclude='dcp' .
-cat "$OUT/summary.md"
+
