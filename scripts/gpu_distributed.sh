@@ -75,10 +75,7 @@ fi
     echo; echo "## tests/test_distributed_gpu.py"; echo
     grep -E '^(FAILED|ERROR)|[0-9]+ (passed|failed)' "$WORK/tests.log" | tail -n 20
   fi
-  for name in "${tables[@]}"; do
-    echo; echo "## $name"; echo
-    cat "$WORK/$name/e2e.md" 2>/dev/null || { echo "no table; log tail:"; tail -n 20 "$WORK/$name.log"; }
-  done
+  report_tables "$WORK" "${tables[@]}"
   echo; echo "total: $(( $(date +%s) - start )) s"
 } > "$OUT/summary.md"
 tar -czf "$OUT/results.tar.gz" -C "$WORK" --exclude='random-tokens.jsonl' .

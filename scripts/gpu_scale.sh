@@ -78,10 +78,7 @@ finish() {
       echo "## GPU tests"; echo
       for log in "$WORK"/tests-*.log; do echo "$(basename "$log"): $(tail -n 1 "$log")"; done
     fi
-    for name in "${tables[@]}"; do
-      echo; echo "## $name"; echo
-      cat "$WORK/$name/e2e.md" 2>/dev/null || { echo "no table; log tail:"; tail -n 20 "$WORK/$name.log"; }
-    done
+    report_tables "$WORK" "${tables[@]}"
     echo; echo "total: $(( $(date +%s) - start )) s"
   } > "$OUT/summary.md"
   tar -czf "$OUT/results.tar.gz" -C "$WORK" --exclude='random-tokens.jsonl' --exclude='*.pt' --exclude='dcp' .

@@ -180,6 +180,12 @@ class Family:
     # cross-attention layers): units of checkpointing, compile and FSDP2 as it is.
     other_decoder_layers: tuple[str, ...] = ()
 
+    @property
+    def balancing_loss(self) -> bool:
+        """Whether transformers' forward adds a load-balancing loss: a mixture of experts whose
+        record names its coefficient (not DeepSeek-V3, balanced by its router's score bias)."""
+        return self.experts is not None and self.experts.aux_loss_coef_attr is not None
+
     def resolve(self, name: str) -> type:
         """The class (or function) called `name` in this family's modeling module."""
         return getattr(importlib.import_module(self.module), name)

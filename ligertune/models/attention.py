@@ -428,7 +428,7 @@ def context_parallel_problem(model: nn.Module) -> str | None:
     if family is not None and family.experts is not None:
         why = (
             "its router loss is a mean over each forward"
-            if family.experts.aux_loss_coef_attr
+            if family.balancing_loss
             else "not tried with context parallelism"
         )
         return f"{config.model_type} is a mixture-of-experts model ({why})"

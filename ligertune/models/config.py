@@ -81,7 +81,7 @@ def build_config(recipe: Recipe):
     family = FAMILIES.get(config.model_type)
     # DeepSeek-V3's config has the field from transformers 5.2x on, for its router logits alone:
     # its family record says no balancing loss comes with them.
-    lossless = family is not None and family.experts is not None and family.experts.aux_loss_coef_attr is None
+    lossless = family is not None and family.experts is not None and not family.balancing_loss
     if lossless or not hasattr(config, ROUTER_LOSS_FIELD):
         if wanted:
             why = "it balances its experts without one" if lossless else "it has none"

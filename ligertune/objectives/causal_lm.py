@@ -85,7 +85,7 @@ def router_of(model: nn.Module | None) -> Router | None:
     None (dense, unknown, or balanced without a loss: DeepSeek-V3, whose forward returns none)."""
     config = getattr(model, "config", None)
     family = FAMILIES.get(getattr(config, "model_type", None))
-    if family is None or family.experts is None or family.experts.aux_loss_coef_attr is None:
+    if family is None or not family.balancing_loss:
         return None
     experts = family.experts
     return Router(getattr(config, experts.top_k_attr), getattr(config, experts.aux_loss_coef_attr))

@@ -343,7 +343,7 @@ def patch_fused_linear_cross_entropy(patcher: Patcher) -> None:
     family = patcher.family
     # A mixture of experts without a balancing loss in transformers (DeepSeek-V3) has HF's dense
     # causal-LM forward: nothing to add, no output_router_logits in its signature.
-    experts = family.experts if family.experts and family.experts.aux_loss_coef_attr else None
+    experts = family.experts if family.balancing_loss else None
     forward = partial_forward(
         _fused_causal_lm_forward if experts is None else _fused_moe_causal_lm_forward,
         _softcap_attr=family.logit_softcap_attr,
