@@ -23,6 +23,10 @@
 # long    context parallelism: the Llama-3.2-1B shape on one 1,048,576-token row over every GPU
 #         (one step, its time includes the first step's compilation).
 # long32k the Llama-3-8B shape at 32,768 tokens, FSDP2 alone against CP over every GPU.
+# long262k the Llama-3.2-1B shape on one 262,144-token row, CP over every GPU: eager, Liger, ours
+#         (the same attention backend, flex_attention, for all three).
+# moe     Qwen3-30B-A3B LoRA, ours and HF + peft with every layer kept gathered after its forward
+#         (parallel.fsdp.reshard_after_forward=false), then where ours' step goes (profile_step).
 # tests   the GPU tests of context parallelism (2 GPUs), of drawing a random init on the GPU and
 #         of the MoE families (one GPU each), side by side.
 #
@@ -34,7 +38,7 @@ set -uo pipefail
 source "$(dirname "$0")/report_header.sh"
 
 : "${OUT:?set OUT to the folder for the results}"
-: "${PART:?set PART to one or more of diag, table, rest, 70b, lora, dpo, long, long32k, tests}"
+: "${PART:?set PART to one or more of diag, table, rest, 70b, lora, dpo, long, long32k, long262k, moe, tests}"
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-3}
@@ -42,6 +46,7 @@ ARM_TIMEOUT_S=${ARM_TIMEOUT_S:-170}
 BUDGET_S=${BUDGET_S:-480}
 RECIPE=recipes/llama3-8b-alpaca-bench.yaml
 WORK=${WORK:-$(mktemp -d)}
+mkdir -p "$WORK"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 start=$(date +%s)
@@ -125,7 +130,7 @@ for part in $PART; do
     bench 8b-dpo ligertune,liger,eager objective.name=dpo objective.reference=frozen \
       training.micro_batch_size=2 --random-pairs 64 ;;
   long)
-    RECIPE=recipes/llama3.2-1b-alpaca-bench.yaml STEPS=1 WARMUP=0 ARM_TIMEOUT_S=420
+    RECIPE=recipes/llama3.2-1b-alpaca-bench.yaml STEPS=1 WARMUP=0 ARM_TIMEOUT_S=520
     bench 1b-1m ligertune parallel.context_parallel="$gpus" training.micro_batch_size=1 \
       training.activation_checkpointing=full model.attn_implementation=flex_attention \
       --random-rows 1 --seq-lens 1048576 ;;
@@ -133,6 +138,17 @@ for part in $PART; do
     RECIPE=recipes/llama3-8b-longctx-bench.yaml STEPS=5 WARMUP=2 ARM_TIMEOUT_S=150
     bench 8b-32k-fsdp ligertune parallel.context_parallel=1 --seq-lens 32768 --random-rows 8
     bench 8b-32k-cp ligertune --seq-lens 32768 --random-rows 8 parallel.context_parallel="$gpus" ;;
+  long262k)
+    RECIPE=recipes/llama3.2-1b-alpaca-bench.yaml STEPS=3 WARMUP=1 ARM_TIMEOUT_S=150
+    bench 1b-262k eager,liger,ligertune parallel.context_parallel="$gpus" training.micro_batch_size=1 \
+      training.activation_checkpointing=full model.attn_implementation=flex_attention \
+      --random-rows 2 --seq-lens 262144 ;;
+  moe)
+    RECIPE=recipes/qwen3-30b-a3b-alpaca-lora-bench.yaml STEPS=6 WARMUP=2 ARM_TIMEOUT_S=170
+    bench 30b-a3b-lora-keep ligertune,eager parallel.fsdp.reshard_after_forward=false
+    timeout --signal=INT --kill-after=20 "$(left)" "$PYTHON" scripts/profile_step.py "$RECIPE" parallel.strategy=fsdp \
+      --nproc-per-node "$gpus" --providers ligertune --wait 1 --active 2 --out "$WORK/profile" > "$WORK/profile.log" 2>&1
+    echo "profile: exit $? ($(( $(date +%s) - start )) s)" ;;
   tests)
     CUDA_VISIBLE_DEVICES=0,1 timeout 240 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
       tests/test_context_parallel.py > "$WORK/tests-cp.log" 2>&1 &

@@ -94,13 +94,20 @@ def test_shards_divide_the_per_token_terms_and_add_the_gathered_kv_and_the_mask(
                 assert cp.activations[f"{L} layers × {layer_cp / GIB:.2f} GiB"] == L * layer_cp
             else:
                 assert cp.activations[f"{L} checkpointed layers (their inputs)"] == L * t * H * e
+                # The layer's input x, which our norm kernel saves, is the checkpoint's own.
                 recomputed = cp.temporaries["one layer recomputed / copied back in backward"]
-                assert recomputed == layer_cp
+                assert recomputed == layer_cp - t * H * e
             assert cp.activations["outside the layers (cos/sin, final norm, loss)"] == outside
             assert cp.activations["context-parallel attention mask (the whole step)"] == mask
-            backward = t * (I + 4 * H) * e + gathered  # swiglu kernel: one MLP gradient
-            assert one.temporaries["one layer's backward"] == seq * (I + 4 * H) * e
-            assert cp.temporaries["one layer's backward"] == backward
+            # The MLP's moment: the arriving gradient and down_proj's input gradient (the swiglu
+            # kernel writes gate's and up's over gate and up). The attention's, after the MLP's
+            # saved tensors (post-norm output, gate, up, product) are freed: the arriving
+            # gradient, q's, k's and v's, and the gathered K and V's. At this shape the MLP's is larger.
+            mlp = t * (H + I) * e
+            attention = t * (H + (HEADS + 2 * KV) * D) * e + gathered - t * (H + 3 * I) * e
+            assert attention < mlp
+            assert one.temporaries["one layer's backward"] == seq * (H + I) * e
+            assert cp.temporaries["one layer's backward"] == mlp
             assert cp.temporaries["context-parallel mask being built (start of the forward)"] == 3 * mask
             states = sum(cp.states.values()) - cp.states["gradients (at the end of backward)"]
             assert cp.moments["context-parallel mask built (start of the forward)"] == states + 3 * mask
@@ -127,11 +134,11 @@ def test_rows_are_padded_to_a_multiple_of_twice_the_shards():
 
 
 def test_context_parallelism_is_proposed_for_a_long_row_that_fits_nowhere():
-    """262,144 tokens of the 8B shape on 4 × 80 GiB with FSDP2: micro-batch 1 with full
+    """294,912 tokens of the 8B shape on 4 × 80 GiB with FSDP2: micro-batch 1 with full
     checkpointing does not fit without CP; the smallest N that fits is proposed, before
     shortening the rows; N = 2 alone does not fit, so 4 it is."""
     gpu = 80 * GIB
-    seq = 262144
+    seq = 294912
     flex = setting(seq, 1, "flex_attention")
     smallest = replace(flex, checkpointing="full")
     assert not estimate(SHAPE, smallest).fits(gpu)

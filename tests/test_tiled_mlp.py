@@ -206,14 +206,18 @@ def test_the_plan_counts_the_mlp_intermediates_of_one_tile():
 
     untiled, tiled = at(False), at(True)
     assert layer_activation_bytes(SHAPE, untiled) - layer_activation_bytes(SHAPE, tiled) == 11_274_289_152
-    # 131072 × (14336 + 4 × 4096) × 2 untiled; tiled 4096 × 14336 × 2 (gradient) + 131072 × 4 ×
-    # 4096 × 2 (hidden-sized) + 4096 × 3 × 14336 × 2 (the tile's recomputed intermediates).
-    assert layer_backward_bytes(SHAPE, untiled) == 8_053_063_680
-    assert layer_backward_bytes(SHAPE, tiled) == layer_backward_bytes(SHAPE, at(4096)) == 4_764_729_344
+    # Untiled, the MLP's moment: 131072 × (4096 + 14336) × 2 (the arriving gradient and
+    # down_proj's input gradient).
+    assert layer_backward_bytes(SHAPE, untiled) == 4_831_838_208
+    # Tiled, the MLP's moment is 131072 × 4096 × 2 + 4096 × 14336 × 2 + 4096 × 3 × 14336 × 2 (the
+    # tile's recomputed intermediates) = 1,543,503,872; the attention's is larger: the arriving
+    # gradient plus q's, k's and v's, 131072 × (4096 + 48 × 128) × 2, less the post-norm output
+    # the MLP kept, 131072 × 4096 × 2.
+    assert layer_backward_bytes(SHAPE, tiled) == layer_backward_bytes(SHAPE, at(4096)) == 1_610_612_736
     # A tile longer than the row: one tile of every token, the intermediates on top of the gradient.
-    assert layer_backward_bytes(SHAPE, at(10**9)) == 8_053_063_680 + 11_274_289_152
+    assert layer_backward_bytes(SHAPE, at(10**9)) == 4_831_838_208 + 11_274_289_152
     full = recomputed_bytes(SHAPE, at(False, checkpointing="full"))
     assert full - recomputed_bytes(SHAPE, at(True, checkpointing="full")) == 11_274_289_152
-    # Without the fused kernel act(gate) is saved too (4 tensors) and gate/up both get a gradient:
-    # 4096 × 2 × 14336 × 2 + 131072 × 4 × 4096 × 2 + 4096 × 4 × 14336 × 2.
-    assert layer_backward_bytes(SHAPE, at(True, kernels=frozenset())) == 4_999_610_368
+    # Without the fused kernel act(gate) is saved too (4 tensors) and the product's backward
+    # holds two gradients: 131072 × 4096 × 2 + 4096 × 2 × 14336 × 2 + 4096 × 4 × 14336 × 2.
+    assert layer_backward_bytes(SHAPE, at(True, kernels=frozenset())) == 1_778_384_896

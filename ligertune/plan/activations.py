@@ -51,6 +51,9 @@ from ligertune.plan.setting import (
     stream_bytes,
 )
 
+# The norm a decoder layer starts with (its saved tensors' names begin with it).
+LAYER_INPUT_NORM = "input_layernorm"
+
 
 def _norm_saved(
     name: str,
@@ -84,7 +87,7 @@ def layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
     """What autograd saves for one decoder layer, per token (see the module docstring)."""
     ea, k = compute_bytes(s), s.kernels
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    saved = _norm_saved("input_layernorm", shape, s, "rms_norm" in k, True, "attention")
+    saved = _norm_saved(LAYER_INPUT_NORM, shape, s, "rms_norm" in k, True, "attention")
     # RoPE, eager or ours, saves only cos and sin (once per model): q·cos needs cos for q's
     # gradient, and cos needs none.
     if s.shards > 1:
@@ -211,9 +214,13 @@ def checkpointed_layer_saved(shape: ModelShape, s: Setting) -> list[Saved]:
 
 def recomputed_bytes(shape: ModelShape, s: Setting) -> int:
     """What one checkpointed layer materialises again in backward: all it saves (whole layers),
-    or what its checkpointed sub-modules save."""
+    or what its checkpointed sub-modules save. A whole layer's input is its checkpoint's, counted
+    with the saved activations: our RMSNorm kernel saves that very tensor, so it is not counted
+    again here."""
     saved = layer_saved(shape, s)
-    if not s.whole_layers:
+    if s.whole_layers:
+        saved = [t for t in saved if t.name != f"{LAYER_INPUT_NORM}: input x"]
+    else:
         saved = [t for t in saved if t.module in s.modules]
     return sum(saved_bytes(t, s) for t in saved)
 
@@ -238,21 +245,28 @@ def saved_bytes(t: Saved, s: Setting) -> int:
 
 
 def model_saved(shape: ModelShape, s: Setting) -> list[Saved]:
-    """What is saved once per model, outside the decoder layers: cos/sin, the final norm and
-    the loss head's per-token tensors (the fused CE's dW is per model: see `head_fixed_bytes`)."""
-    ea, k = compute_bytes(s), s.kernels
+    """What is saved once per model, outside the decoder layers: the input ids, cos/sin, and the
+    tensors of the final norm and the loss head (`head_saved`; the fused CE's dW is per model:
+    see `head_fixed_bytes`)."""
     # cos/sin follow the position ids: one row per sequence position, or per token when packed
     # rows carry their own; counted per token (the larger).
-    saved = [
+    return [
         Saved("input ids (the embedding's backward)", 1, 8),
-        Saved("rope: cos and sin (shared by the layers)", 2 * shape.rotary_dim, ea),
+        Saved("rope: cos and sin (shared by the layers)", 2 * shape.rotary_dim, compute_bytes(s)),
+        *head_saved(shape, s),
     ]
+
+
+def head_saved(shape: ModelShape, s: Setting) -> list[Saved]:
+    """The final norm's and the loss head's saved tensors: the first nodes of the backward, so
+    they are freed before the last layer's backward starts (`estimate`'s "start of backward")."""
+    k = s.kernels
     head = head_path(s)
-    saved += _norm_saved("final norm", shape, s, "rms_norm" in k, head != "fused")
+    saved = _norm_saved("final norm", shape, s, "rms_norm" in k, head != "fused")
     if head == "fused":  # the gradients, computed in the forward
-        saved.append(Saved("loss: fused CE dh", shape.hidden, ea, HEAD))
+        saved.append(Saved("loss: fused CE dh", shape.hidden, compute_bytes(s), HEAD))
     elif head == "ce":  # the logits' gradient, written over the logits
-        saved.append(Saved("loss: logits' gradient", shape.vocab, ea, HEAD))
+        saved.append(Saved("loss: logits' gradient", shape.vocab, compute_bytes(s), HEAD))
     elif s.loss_head == "distillation":  # `distillation_token_losses` on the whole batch's logits
         saved += [
             Saved("loss: student fp32 log-probabilities (CE)", shape.vocab, 4, HEAD),
@@ -337,17 +351,26 @@ def loss_temporary_bytes(shape: ModelShape, s: Setting) -> int:
 
 
 def layer_backward_bytes(shape: ModelShape, s: Setting) -> int:
-    """Working set of one decoder layer's backward: gradients of its largest activations (the
-    MLP's gate/up gradients over `mlp_tile_tokens`, a few hidden-sized ones over every token),
-    with a tiled MLP one tile's recomputed intermediates, and under context parallelism the
-    gradients of the gathered K and V (`gathered_kv_gradient_bytes`)."""
+    """Working set of one decoder layer's backward on top of what the layer saved, at the larger
+    of its two moments. The MLP's, which comes first: the gradient arriving at the layer and,
+    at down_proj's backward, the gradient of its [tokens × intermediate] input (without the fused
+    kernel, at the product's backward, act(gate)'s and up's: two; ours then writes gate's and
+    up's gradients over the saved gate and up), over `mlp_tile_tokens`, and with a tiled MLP the
+    tile's recomputed intermediates. The attention's, once the MLP's saved tensors are freed:
+    the arriving gradient, q's, k's and v's, and under context parallelism the gradients of the
+    gathered K and V (`gathered_kv_gradient_bytes`). Measured on CPU by a dispatch mode that
+    follows every storage through a checkpointed layer's backward (``tests/test_plan.py``)."""
     ea = compute_bytes(s)
-    gated = 1 if {"swiglu", "geglu"} & s.kernels else 2  # the fused kernel overwrites gate/up
+    gated = 1 if {"swiglu", "geglu"} & s.kernels else 2
     tile = mlp_tile_tokens(shape, s)
-    own = tile * gated * shape.intermediate * ea + s.tokens * 4 * shape.hidden * ea
+    arriving = s.tokens * shape.hidden * ea
+    mlp = arriving + tile * gated * shape.intermediate * ea
     if tiles_mlp(shape, s):
-        own += sum(t.bytes(tile) for t in mlp_intermediates(shape, s))
-    return own + gathered_kv_gradient_bytes(shape, s)
+        mlp += sum(t.bytes(tile) for t in mlp_intermediates(shape, s))
+    mlp_saved = sum(saved_bytes(t, s) for t in layer_saved(shape, s) if t.module == "mlp")
+    qkv = s.tokens * (shape.heads + 2 * shape.kv_heads) * shape.head_dim * ea
+    attention = arriving + qkv + gathered_kv_gradient_bytes(shape, s) - mlp_saved
+    return max(mlp, attention)
 
 
 def gathered_kv_gradient_bytes(shape: ModelShape, s: Setting) -> int:

@@ -20,10 +20,11 @@ frozen reference, five with an objective that generates, one more with a frozen 
 1. *the loss*: the end of the forward, when every saved activation is alive, plus the loss
    head's temporaries (eager: the ``[tokens × vocab]`` logits, their fp32 copy, log-softmax and
    its gradient; fused linear cross entropy: one chunk buffer and the fp32 dW accumulator);
-2. *the start of backward*: every saved activation, the loss head's gradients, and the
-   working set of one layer's backward (with checkpointing: that layer's recomputed
-   activations too, the whole layer's or its checkpointed sub-module's; with offload: one
-   layer's tensors copied back ahead of their backward);
+2. *the start of backward*, the last layer's backward: every saved activation but the final
+   norm's and the loss head's (their backward, the first, has freed them), the loss head's
+   gradients, and the working set of one layer's backward (with checkpointing: that layer's
+   recomputed activations too, the whole layer's or its checkpointed sub-module's; with
+   offload: one layer's tensors copied back ahead of their backward);
 3. *the end of backward / the optimizer step*: every gradient, the last layer's working set;
 4. *the frozen reference's forward* (an objective with a frozen reference and no LoRA):
    the reference's log-probs are computed first, under ``no_grad``, before the policy's forward
@@ -114,8 +115,14 @@ Assumptions (what the GPU check, ``scripts/gpu_plan_accuracy.sh``, validates)
   which computes dh and dW in the backward instead) is counted as the fused CE, the same bytes
   at slightly different moments. Their materialised paths (kernels off; our cross entropy kernel
   serves only the ``causal`` head) keep the fp32 log-probabilities, as eager sft does.
-- A layer's backward needs about the gradients of its largest activations: the MLP's gate/up
-  gradients and a few hidden-sized ones (`layer_backward_bytes`). A frozen layer's no-grad
+- A layer's backward holds, next to what the layer saved, the larger of two moments: the
+  MLP's (the arriving gradient and the gradient of down_proj's input; two [tokens ×
+  intermediate] gradients without the fused kernel) and the attention's, once the MLP's saved
+  tensors are freed (q's, k's and v's gradients, and under context parallelism the gathered K
+  and V's) (`layer_backward_bytes`). Counting four hidden-sized gradients and both moments at
+  once over-predicted the measured peaks of full checkpointing by 3-5% at 32k tokens a GPU and
+  by 14-22% at 262k-1M tokens under context parallelism (docs/benchmarks.md); a storage-by-storage
+  measurement on CPU agrees with this count within 4% (``tests/test_plan.py``). A frozen layer's no-grad
   forward holds about the MLP's gate, up and product and a few hidden-sized tensors
   (`frozen_layer_forward_bytes`).
 - A frozen model's temporaries are counted at the moment its forward runs, on top of every
@@ -160,10 +167,12 @@ from ligertune.plan.activations import (
     activation_bytes,
     context_parallel_mask_build_bytes,
     head_path,
+    head_saved,
     layer_activation_bytes,
     layer_backward_bytes,
     loss_temporary_bytes,
     recomputed_bytes,
+    saved_bytes,
 )
 from ligertune.plan.setting import Breakdown, Setting, compute_bytes, stream_bytes, weight_bytes
 from ligertune.plan.vision import frozen_tower_bytes, vision_activation_bytes
@@ -286,6 +295,7 @@ def estimate(shape: ModelShape, s: Setting) -> Breakdown:
     saved = sum(b.activations.values())
     head_grad = shape.head_params * weight_bytes(s) // s.parallel.lm_head_gradient_share(s.world_size)
     backward = b.temporaries["one layer's backward"] + recompute
+    head_freed = sum(saved_bytes(t, s) for t in head_saved(shape, s))
     loss = b.temporaries["loss head at its peak"]
     if s.frozen is not None and s.frozen_role == "teacher":
         # The teacher's forward runs inside the student's loss (its lm_head call, or right after
@@ -295,7 +305,8 @@ def estimate(shape: ModelShape, s: Setting) -> Breakdown:
         loss = gathered + max(loss, frozen[TEACHER_LAYER])
     b.moments = {
         "loss (end of forward)": states + saved + loss,
-        "start of backward": states + saved + head_grad + backward,
+        # The last layer's backward: the loss head's and the final norm's tensors are freed.
+        "start of backward": states + saved - head_freed + head_grad + backward,
         "end of backward": states
         + grads
         + backward

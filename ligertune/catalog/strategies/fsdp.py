@@ -110,7 +110,10 @@ class FSDPParallel(ParallelOptions):
     def memory_states(self, shape: ModelShape, precision: str, world_size: int) -> tuple[dict[str, int], int]:
         """Weights, moments and gradients sharded (none on the GPU with ``cpu_offload``); one
         layer gathered and ``prefetch`` more; the root (embeddings, final norm, lm_head) gathered
-        from forward to backward."""
+        from forward to backward. Without ``reshard_after_forward`` every layer stays gathered
+        from its forward to its backward, so at the start of the backward (the peak) all of them
+        are: counted as a state, which over-counts the end of the backward, where the layers
+        are resharded again."""
         on_gpu = 0 if self.fsdp.cpu_offload else 1
         ew, gathered = WEIGHT_BYTES[precision], self.gathered_bytes(precision)
         states = {
@@ -122,6 +125,10 @@ class FSDPParallel(ParallelOptions):
             "FSDP2 gathered root (embeddings, lm_head, norm)": (shape.embed_params + shape.head_params)
             * gathered,
         }
+        if not self.fsdp.reshard_after_forward:
+            states["FSDP2 other layers kept gathered (reshard_after_forward: false)"] = (
+                self._other_layers_bytes(shape, precision)
+            )
         return states, on_gpu * shape.trainable * ew // world_size
 
     def reduce_bytes(self, precision: str) -> int:
@@ -139,13 +146,18 @@ class FSDPParallel(ParallelOptions):
     def lm_head_gradient_share(self, world_size: int) -> int:
         return world_size
 
-    def memory_whole_gathered(self, shape: ModelShape, precision: str) -> int:
-        """Every decoder layer gathered (the states count the root and 1 + prefetch layers)."""
+    def _other_layers_bytes(self, shape: ModelShape, precision: str) -> int:
+        """The decoder layers besides the current and prefetched ones, gathered."""
         return (
             max(0, shape.layers - 1 - self.fsdp.prefetch)
             * shape.layer_params
             * self.gathered_bytes(precision)
         )
+
+    def memory_whole_gathered(self, shape: ModelShape, precision: str) -> int:
+        """Every decoder layer gathered (the states count the root and 1 + prefetch layers, and
+        without ``reshard_after_forward`` the others too)."""
+        return self._other_layers_bytes(shape, precision) if self.fsdp.reshard_after_forward else 0
 
     def frozen_memory(self, frozen: ModelShape, precision: str, world_size: int) -> tuple[int, int, str]:
         """Sharded like the policy (always resharded after forward): 1/world of its weights, and
