@@ -265,12 +265,16 @@ def test_refused_combinations_name_the_key(overrides, message):
 @pytest.mark.gpu
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("length", [999, 1024])
-def test_flex_attention_and_nccl_on_two_gpus_match_one(tmp_path, length):
+@pytest.mark.parametrize(
+    "length, offload", [(999, False), (1024, False), (1024, True)], ids=["999", "1024", "1024-offload"]
+)
+def test_flex_attention_and_nccl_on_two_gpus_match_one(tmp_path, length, offload):
     """The GPU path: FlexAttention under the shard's BlockMask (999 tokens: 500 a shard, built by
     the compiled create_block_mask; 1024: 512 a shard, built from its tiles), the reduce-scatter
     backward of the K/V all-gather over NCCL, and every Triton kernel, on packed rows; fp32 (TF32
-    off, torch's default), context_parallel 2 × fsdp against one GPU."""
+    off, torch's default), context_parallel 2 × fsdp against one GPU. With activation offload
+    the split run's saved tensors, the gathered K and V among them, go to host memory and come
+    back for the backward: a copy, so the losses and gradients stay the same."""
     common = TINY + TWO_STEPS
     common += [
         "training.device=cuda",
@@ -280,6 +284,8 @@ def test_flex_attention_and_nccl_on_two_gpus_match_one(tmp_path, length):
     common += ["kernels=all"]
     train(load_recipe(QUICKSTART, common + [f"output_dir={tmp_path / 'one'}"]))
     split = ["parallel.strategy=fsdp", "parallel.context_parallel=2"]
+    if offload:
+        split.append("training.activation_offload=true")
     launch_worker([common + split + [f"output_dir={tmp_path / 'cp'}"]], tmp_path)
     one, cp = tmp_path / "one", tmp_path / "cp"
     assert_losses_close(losses(cp), losses(one), 1e-4)
