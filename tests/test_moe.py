@@ -31,7 +31,7 @@ from ligertune.errors import RecipeError
 from ligertune.models.build import build_model
 from ligertune.models.config import build_config
 from ligertune.models.shape import model_shape, recipe_shape
-from ligertune.objectives.causal_lm import CausalLM, Router, router_of
+from ligertune.objectives.causal_lm import CausalLM, Router, chosen_experts_of, router_of
 from ligertune.patching import patch_model
 from ligertune.patching.mlp import activation_of
 from ligertune.plan import choose
@@ -382,6 +382,54 @@ def test_deepseek_has_no_balancing_loss_to_add():
         build_config(recipe)
     config = build_config(load_recipe(QUICKSTART, [deepseek]))
     assert not getattr(config, "output_router_logits", False)  # a field from transformers 5.2x on
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["ours", "hf"])
+def test_deepseek_logs_the_load_of_the_experts_its_router_chose(kernels):
+    """DeepSeek-V3's choice (the best groups, then the top k of the bias-corrected scores) is not
+    the top k of its logits, so its expert load is read from the experts each token is sent to.
+    The reference calls each MoE layer's router itself on the hidden states that layer received
+    and counts with bincount; a large score bias makes the choice differ from the logits' top k.
+    With checkpointing, the recomputation in backward sends the tokens to the experts again: the
+    next step's metrics are still its own forward's."""
+    model = tiny_moe("deepseek_v3")
+    if kernels:
+        patch_model(model, WITH_EXPERTS)
+    blocks = [m for m in model.modules() if type(m).__name__ == "DeepseekV3MoE"]
+    with torch.no_grad():
+        for block in blocks:
+            block.gate.e_score_correction_bias.copy_(torch.linspace(2.0, -2.0, 8))
+    seen = []
+    for block in blocks:
+        block.register_forward_hook(lambda module, args, out: seen.append((module, args[0].detach())))
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    objective = CausalLM(router_of(model), chosen_experts_of(model))
+    for step in range(2):
+        batch = random_batch()
+        count = int((batch["labels"][:, 1:] != -100).sum())
+        seen.clear()
+        out = objective(model, batch, torch.tensor(count + 3))
+        loads, differs = [], False
+        with torch.no_grad():
+            for block, hidden in seen[: len(blocks)]:
+                logits, _, chosen = block.gate(hidden)
+                differs |= not torch.equal(
+                    chosen.sort(dim=-1).values, logits.topk(2, dim=-1).indices.sort(dim=-1).values
+                )
+                counts = torch.bincount(chosen.reshape(-1), minlength=8).double()
+                loads.append(counts.max() / counts.mean())
+        assert differs, "the bias did not move the choice away from the logits' top k"
+        share = count / (count + 3)
+        assert set(out.metrics) == {"expert_load_max", "expert_load_mean"}
+        assert out.metrics["expert_load_max"].item() == pytest.approx(max(loads).item() * share, rel=1e-6)
+        assert out.metrics["expert_load_mean"].item() == pytest.approx(
+            (sum(loads) / len(loads)).item() * share, rel=1e-6
+        )
+        out.loss.backward()
+        # The recomputation reached the experts again (a forward hook after the last saved
+        # tensor, as `seen`'s is, is skipped by checkpoint's early stop; the record's pre-hook is not).
+        assert len(objective.chosen.chosen) == 2 * len(blocks), f"step {step}: no recomputation in backward"
 
 
 def test_deepseek_rope_without_interleaving():

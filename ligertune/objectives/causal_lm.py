@@ -28,6 +28,11 @@ perfectly balanced, E/k the worst: every token on the same k experts), as ``expe
 (the worst layer) and ``expert_load_mean`` (the layers' mean). Each is weighted by n / N, so the
 logged value is the window's token-weighted mean; everything stays on the device until the
 step's one host synchronisation.
+
+A family that balances without a loss (DeepSeek-V3: its router moves a score bias between
+steps, transformers computes no aux_loss) logs the expert load alone, and reads it from the
+experts each token was actually sent to (`ChosenExperts`): its group-limited choice on
+bias-corrected scores is not the top k of its logits.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from ligertune.catalog.objectives.base import ObjectiveOptions
 from ligertune.catalog.objectives.sft import SFTOptions
 from ligertune.data.formats import IGNORE_INDEX
 from ligertune.objectives.base import Batch, Building, Objective, ObjectiveOutput
+from ligertune.patching.common import instances
 
 # The last seven are a vision-language model's (ligertune.data.vision): its images and which
 # tokens are image tokens (Qwen-VL computes its 3-D rotary positions from mm_token_type_ids,
@@ -91,42 +97,86 @@ def router_of(model: nn.Module | None) -> Router | None:
     return Router(getattr(config, experts.top_k_attr), getattr(config, experts.aux_loss_coef_attr))
 
 
-def router_metrics(output, top_k: int, attention_mask: torch.Tensor | None, share: torch.Tensor) -> dict:
-    """The balancing loss and the expert load of one forward (module docstring), times `share`.
-    Token counts use ``scatter_add`` into a fixed [experts] vector: ``bincount`` would read its
-    size back from the GPU."""
+def expert_load_metrics(
+    chosen: list[torch.Tensor], experts: int, attention_mask: torch.Tensor | None, share: torch.Tensor
+) -> dict:
+    """The expert load of one forward (module docstring), times `share`, from each MoE layer's
+    [tokens, k] chosen experts. Token counts use ``scatter_add`` into a fixed [experts] vector:
+    ``bincount`` would read its size back from the GPU."""
     loads = []
-    for logits in output.router_logits:  # [tokens, experts] per MoE layer
-        # Every family's routing picks the k largest logits (a softmax first keeps the order).
-        chosen = logits.topk(top_k, dim=-1).indices.reshape(-1)
-        weight = torch.ones_like(chosen, dtype=torch.float32)
+    for indices in chosen:
+        top_k = indices.shape[-1]
+        flat = indices.reshape(-1)
+        weight = torch.ones_like(flat, dtype=torch.float32)
         if attention_mask is not None:  # padding tokens route too, but are not the data's load
             weight = attention_mask.reshape(-1, 1).expand(-1, top_k).reshape(-1).float()
-        counts = torch.zeros(logits.shape[-1], device=logits.device).scatter_add_(0, chosen, weight)
+        counts = torch.zeros(experts, device=flat.device).scatter_add_(0, flat, weight)
         loads.append(counts.max() / counts.mean().clamp(min=1e-9))
     loads = torch.stack(loads)
+    return {"expert_load_max": loads.max() * share, "expert_load_mean": loads.mean() * share}
+
+
+def router_metrics(output, top_k: int, attention_mask: torch.Tensor | None, share: torch.Tensor) -> dict:
+    """The balancing loss and the expert load of one forward (module docstring), times `share`.
+    Every family with a balancing loss routes each token to the k largest logits (a softmax
+    first keeps the order)."""
+    chosen = [logits.topk(top_k, dim=-1).indices for logits in output.router_logits]
+    experts = output.router_logits[0].shape[-1]
     return {
         "aux_loss": output.aux_loss.detach().float() * share,
-        "expert_load_max": loads.max() * share,
-        "expert_load_mean": loads.mean() * share,
+        **expert_load_metrics(chosen, experts, attention_mask, share),
     }
+
+
+class ChosenExperts:
+    """The experts each token was sent to in one forward, per MoE layer, as the routed-experts
+    modules receive them: a forward pre-hook on each reads its ``[tokens, k]`` indices (the
+    family table's experts contract, ``(hidden, top_k_index, top_k_weights)``, the same for our
+    kernel and transformers' experts). `start` empties the record before each forward: a
+    checkpointed layer's recomputation in backward calls the hooks again, into the list the next
+    forward empties."""
+
+    def __init__(self, model: nn.Module, family):
+        self.experts = getattr(model.config, family.experts.num_experts_attr)
+        self.chosen: list[torch.Tensor] = []
+        for _, module in instances(model, family.resolve(family.experts.experts)):
+            module.register_forward_pre_hook(self._record)
+
+    def _record(self, module: nn.Module, args: tuple) -> None:
+        self.chosen.append(args[1].detach())
+
+    def start(self) -> None:
+        self.chosen = []
+
+
+def chosen_experts_of(model: nn.Module | None) -> ChosenExperts | None:
+    """A `ChosenExperts` record for a mixture-of-experts model of the family table that balances
+    without a loss (DeepSeek-V3), or None."""
+    config = getattr(model, "config", None)
+    family = FAMILIES.get(getattr(config, "model_type", None))
+    if family is None or family.experts is None or family.balancing_loss:
+        return None
+    return ChosenExperts(model, family)
 
 
 class CausalLM(Objective):
     options_model = SFTOptions
 
-    def __init__(self, router: Router | None = None):
+    def __init__(self, router: Router | None = None, chosen: ChosenExperts | None = None):
         self.router = router  # a mixture-of-experts policy's (module docstring)
+        self.chosen = chosen  # one without a balancing loss
 
     @classmethod
     def build(cls, options: ObjectiveOptions, building: Building) -> CausalLM:
-        return cls(router_of(building.policy))
+        return cls(router_of(building.policy), chosen_experts_of(building.policy))
 
     def count(self, batch: Batch) -> int:
         return count_label_tokens(batch)
 
     def __call__(self, model: nn.Module, batch: Batch, num_items: torch.Tensor) -> ObjectiveOutput:
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+        if self.chosen is not None:
+            self.chosen.start()
         output = model(**inputs, num_items_in_batch=num_items)
         loss, metrics = output.loss, {}
         aux = getattr(output, "aux_loss", None)
@@ -136,4 +186,9 @@ class CausalLM(Objective):
             loss = loss + self.router.aux_loss_coef * aux.to(loss.device) * (weight - 1)
             if model.training:
                 metrics = router_metrics(output, self.router.top_k, batch.get("attention_mask"), share)
+        if self.chosen is not None and self.chosen.chosen and model.training:
+            share = (batch["labels"][:, 1:] != IGNORE_INDEX).sum() / num_items
+            metrics = expert_load_metrics(
+                self.chosen.chosen, self.chosen.experts, batch.get("attention_mask"), share
+            )
         return ObjectiveOutput(loss, metrics)
