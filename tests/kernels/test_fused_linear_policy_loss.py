@@ -211,15 +211,21 @@ def test_matches_float64_oracle(
 
 def test_clipping_happened_on_both_sides():
     """The random cases reach both clip edges (else the comparisons above would not test the
-    clip): with ratios spread by noise of std 0.3, both fractions are well above zero."""
+    clip): with ratios spread by noise of std 0.3, both fractions average ~0.11 of the tokens.
+    One draw of 16 × 8 tokens (some of them padding) can fall near zero by chance (0.012 was
+    seen once), so the fractions are averaged over four fresh draws."""
     spec = PolicyLoss("dapo", epsilon=0.2, epsilon_high=0.28)
-    rows, seq = 16, 8
-    hidden, weight, _, target = _inputs(rows, seq, 257, 16, False, False)
-    logps = _float64_logps(hidden, weight, None, target, rows)
-    advantages = torch.cat([torch.ones(rows // 2), -torch.ones(rows // 2)])
-    old = (logps + fresh_randn(rows, seq, dtype=torch.float64, scale=0.3)).float()
-    out = fused_linear_policy_loss(hidden, weight, target, advantages, old, spec=spec)
-    assert out.metrics["clip_low_fraction"] > 0.02 and out.metrics["clip_high_fraction"] > 0.02
+    rows, seq, draws = 16, 8, 4
+    low = high = 0.0
+    for _ in range(draws):
+        hidden, weight, _, target = _inputs(rows, seq, 257, 16, False, False)
+        logps = _float64_logps(hidden, weight, None, target, rows)
+        advantages = torch.cat([torch.ones(rows // 2), -torch.ones(rows // 2)])
+        old = (logps + fresh_randn(rows, seq, dtype=torch.float64, scale=0.3)).float()
+        out = fused_linear_policy_loss(hidden, weight, target, advantages, old, spec=spec)
+        low += out.metrics["clip_low_fraction"].item() / draws
+        high += out.metrics["clip_high_fraction"].item() / draws
+    assert low > 0.04 and high > 0.04, (low, high)
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
