@@ -27,8 +27,10 @@
 #         (the same attention backend, flex_attention, for all three).
 # moe     Qwen3-30B-A3B LoRA, ours and HF + peft with every layer kept gathered after its forward
 #         (parallel.fsdp.reshard_after_forward=false), then where ours' step goes (profile_step).
+# moe-ddp Qwen3-30B-A3B LoRA, ours and HF + peft, under DDP (the frozen base replicated) and under
+#         FSDP2 with every layer kept gathered.
 # tests   the GPU tests of context parallelism (2 GPUs), of drawing a random init on the GPU and
-#         of the MoE families (one GPU each), side by side.
+#         of the MoE families (one GPU each), side by side (on two GPUs, context parallelism first).
 #
 # Every arm: STEPS steps (default 8), the first WARMUP (3) left out of the rates, at most
 # ARM_TIMEOUT_S (170 s) and never past the budget; arms that would start after BUDGET_S (480 s)
@@ -38,7 +40,7 @@ set -uo pipefail
 source "$(dirname "$0")/report_header.sh"
 
 : "${OUT:?set OUT to the folder for the results}"
-: "${PART:?set PART to one or more of diag, table, rest, 70b, lora, dpo, long, long32k, long262k, moe, tests}"
+: "${PART:?set PART to one or more of diag, table, rest, 70b, lora, dpo, long, long32k, long262k, moe, moe-ddp, tests}"
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-3}
@@ -149,12 +151,25 @@ for part in $PART; do
     timeout --signal=INT --kill-after=20 "$(left)" "$PYTHON" scripts/profile_step.py "$RECIPE" parallel.strategy=fsdp \
       --nproc-per-node "$gpus" --providers ligertune --wait 1 --active 2 --out "$WORK/profile" > "$WORK/profile.log" 2>&1
     echo "profile: exit $? ($(( $(date +%s) - start )) s)" ;;
+  moe-ddp)
+    # LoRA leaves the base frozen: replicated on every GPU (DDP) it is never gathered, and only
+    # the adapters' gradients are all-reduced. Against FSDP2 with every layer kept gathered.
+    RECIPE=recipes/qwen3-30b-a3b-alpaca-lora-bench.yaml STEPS=6 WARMUP=2 ARM_TIMEOUT_S=170
+    bench 30b-a3b-lora-ddp ligertune,eager parallel.strategy=ddp
+    bench 30b-a3b-lora-keep ligertune,eager parallel.fsdp.reshard_after_forward=false ;;
   tests)
-    CUDA_VISIBLE_DEVICES=0,1 timeout 240 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
-      tests/test_context_parallel.py > "$WORK/tests-cp.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=2 timeout 240 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
+    # Four GPUs: the three files side by side. Two: context parallelism first, then the others.
+    cp=(timeout 240 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider tests/test_context_parallel.py)
+    if ((gpus >= 4)); then
+      CUDA_VISIBLE_DEVICES=0,1 "${cp[@]}" > "$WORK/tests-cp.log" 2>&1 &
+      one=2 other=3
+    else
+      CUDA_VISIBLE_DEVICES=0,1 "${cp[@]}" > "$WORK/tests-cp.log" 2>&1
+      one=0 other=1
+    fi
+    CUDA_VISIBLE_DEVICES=$one timeout 240 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
       tests/test_draw_init.py > "$WORK/tests-draw-init.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=3 timeout 240 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
+    CUDA_VISIBLE_DEVICES=$other timeout 240 "$PYTHON" -m pytest -m gpu -q -p no:cacheprovider \
       tests/test_moe_gpu.py > "$WORK/tests-moe.log" 2>&1
     wait
     echo "tests: ($(( $(date +%s) - start )) s)"
