@@ -24,6 +24,8 @@
 #         (one step, its time includes the first step's compilation).
 # longest Liger, then ours, on one row of 262,144 tokens a GPU (524,288 on two GPUs), CP over every
 #         GPU, one step each (its time includes the compilation).
+# long8b  Liger, then ours, on one 262,144-token row of the Llama-3-8B shape, CP over every GPU, one
+#         step each (eager's loss head does not fit, by the plan).
 # long32k the Llama-3-8B shape at 32,768 tokens, FSDP2 alone against CP over every GPU.
 # long262k the Llama-3.2-1B shape on one 262,144-token row, CP over every GPU: eager, Liger, ours
 #         (the same attention backend, flex_attention, for all three).
@@ -42,7 +44,7 @@ set -uo pipefail
 source "$(dirname "$0")/report_header.sh"
 
 : "${OUT:?set OUT to the folder for the results}"
-: "${PART:?set PART to one or more of diag, table, rest, 70b, lora, dpo, long, long32k, long262k, longest, moe, moe-ddp, tests}"
+: "${PART:?set PART to one or more of diag, table, rest, 70b, lora, dpo, long, long32k, long262k, longest, long8b, moe, moe-ddp, tests}"
 PYTHON=${PYTHON:-python3}
 STEPS=${STEPS:-8}
 WARMUP=${WARMUP:-3}
@@ -144,6 +146,9 @@ for part in $PART; do
     bench "1b-$((262144 * gpus / 1024))k" liger,ligertune parallel.context_parallel="$gpus" training.micro_batch_size=1 \
       training.activation_checkpointing=full model.attn_implementation=flex_attention \
       --random-rows 1 --seq-lens $((262144 * gpus)) ;;
+  long8b)
+    RECIPE=recipes/llama3-8b-longctx-bench.yaml STEPS=1 WARMUP=0 ARM_TIMEOUT_S=${ARM_TIMEOUT_S_LONGEST:-260}
+    bench 8b-262k liger,ligertune parallel.context_parallel="$gpus" --random-rows 1 --seq-lens 262144 ;;
   long32k)
     RECIPE=recipes/llama3-8b-longctx-bench.yaml STEPS=5 WARMUP=2 ARM_TIMEOUT_S=150
     bench 8b-32k-fsdp ligertune parallel.context_parallel=1 --seq-lens 32768 --random-rows 8
