@@ -653,7 +653,65 @@ def test_auto_can_pick_recomputing_attention():
     assert recipe_problems(recipe.model_copy(update={"training": training})) == []
 
 
+def test_cpu_offload_moves_the_states_to_the_host_by_hand():
+    """What an offload moves leaves the GPU's states and is counted, per rank, in the host's."""
+    shape = model_shape(tiny(2))
+    total = 127296  # the hand count of test_parameters_and_states_by_hand
+    assert shape.params == shape.trainable == total
+    fsdp = FSDPParallel(fsdp={"cpu_offload": True})
+    states, grads = fsdp.memory_states(shape, "bf16-mixed", 4)
+    assert states["weights (sharded)"] == states["AdamW moments (sharded)"] == grads == 0
+    assert fsdp.memory_host(shape, "bf16-mixed", 4) == {
+        "weights (sharded)": 4 * total // 4,
+        "AdamW moments (sharded)": 8 * total // 4,
+        "gradients (sharded)": 4 * total // 4,
+    }
+    assert FSDPParallel().memory_host(shape, "bf16-mixed", 4) == {}
+
+    optimizer = DeepSpeedParallel(deepspeed={"zero_stage": 3, "offload_optimizer": True})
+    states, grads = optimizer.memory_states(shape, "bf16-mixed", 4)
+    assert states["fp32 master weights + AdamW moments (sharded)"] == 0
+    assert states["weights (sharded)"] == 2 * total // 4
+    assert grads == 2 * total // 4  # the bf16 partition; the fp32 one is on the host
+    assert optimizer.memory_host(shape, "bf16-mixed", 4) == {
+        "fp32 master weights + AdamW moments (sharded)": 12 * total // 4,
+        "fp32 gradients (sharded)": 4 * total // 4,
+    }
+    on_gpu = DeepSpeedParallel(deepspeed={"zero_stage": 3})
+    assert on_gpu.memory_states(shape, "bf16-mixed", 4)[1] == 6 * total // 4
+    assert on_gpu.memory_host(shape, "bf16-mixed", 4) == {}
+    both = DeepSpeedParallel(deepspeed={"zero_stage": 3, "offload_optimizer": True, "offload_params": True})
+    assert both.memory_states(shape, "bf16", 4)[0]["weights (sharded)"] == 0
+    assert both.memory_host(shape, "bf16", 4)["weights (sharded)"] == 2 * total // 4
+
+
 runner = CliRunner()
+
+
+def test_plan_command_checks_the_offloaded_states_against_the_hosts_memory():
+    """1B, bf16-mixed, FSDP2 with cpu_offload over 2 ranks of one host: 16 bytes a parameter in
+    all (fp32 weights, gradients and two moments), split over the ranks, all on the host."""
+    recipe = str(ROOT / "recipes" / "llama3.2-1b-alpaca-bench.yaml")
+    offload = [
+        "parallel.strategy=fsdp",
+        "parallel.fsdp.cpu_offload=true",
+        "parallel.sharded_init=false",
+        "training.precision=bf16-mixed",
+    ]
+    args = ["plan", recipe, *offload, "--nproc-per-node", "2", "--gpu-memory", "80GiB"]
+    params = recipe_shape(load_recipe(recipe, offload)).params
+    need = f"{16 * params / GIB:.1f} GiB for the 2 ranks of one host"
+    small = runner.invoke(app, [*args, "--host-memory", "16GiB"])
+    assert small.exit_code == 2, small.output
+    assert need in small.output and "does not fit" in small.output
+    assert "the offloaded states do not fit the host's memory" in small.output
+    large = runner.invoke(app, [*args, "--host-memory", "64GiB"])
+    assert large.exit_code == 0, large.output
+    assert need in large.output and "fits" in large.output
+    plain = runner.invoke(app, ["plan", recipe, "--gpu-memory", "80GiB"])
+    assert plain.exit_code == 0 and "host memory" not in plain.output
+    bad = runner.invoke(app, [*args, "--host-memory", "lots"])
+    assert bad.exit_code == 2 and "--host-memory 'lots'" in bad.output
 
 
 def test_plan_command_fits_and_exit_2_naming_a_fix():

@@ -85,14 +85,21 @@ def plan(
         "--gpu-memory",
         help="Memory of one GPU, e.g. 80GiB (default: the visible GPU's; without one, 80GiB).",
     ),
+    host_memory: str | None = typer.Option(
+        None,
+        "--host-memory",
+        help="Memory of the host the ranks share, e.g. 512GiB, for a CPU offload's states (default: this machine's).",
+    ),
 ) -> None:
     """Will the recipe fit? Per-GPU memory breakdown and the settings that fit, without a GPU.
 
     Builds the model empty (meta device), counts weights, gradients, optimizer state,
     activations per layer and the loss head (with and without our kernels) and the strategy's
     buffers, then tables micro-batch × activation checkpointing × offload, fastest first, each
-    marked fits / does not fit. Exit status: 0 something fits, 2 nothing fits (the cheapest fix
-    is printed) or a bad recipe.
+    marked fits / does not fit. With a CPU offload (parallel.fsdp.cpu_offload, DeepSpeed's
+    offload_optimizer/offload_params) it also checks the offloaded states against the host's
+    memory. Exit status: 0 something fits, 2 nothing fits (the cheapest fix is printed), the
+    offloaded states do not fit the host, or a bad recipe.
 
     [bold]Examples[/]
 
@@ -100,7 +107,7 @@ def plan(
 
       ligertune plan recipes/llama3-8b-alpaca-bench.yaml --nproc-per-node 4 --gpu-memory 80GiB
     """
-    from ligertune.tools.plan import gpu_bytes
+    from ligertune.tools.plan import gpu_bytes, host_bytes
     from ligertune.tools.plan import plan as run_plan
 
     loaded = load_recipe(resolve_recipe_path(recipe), overrides or [])
@@ -117,8 +124,8 @@ def plan(
             ]
         )
     budget, target = gpu_bytes(gpu_memory)
-    result = run_plan(loaded, world, budget, console, target)
-    if not result.fits:
+    result = run_plan(loaded, world, budget, console, target, host_bytes(host_memory))
+    if not (result.fits and result.host_fits):
         raise typer.Exit(2)
 
 

@@ -5,12 +5,15 @@ breakdown of the recipe's own setting (`ligertune.plan.estimate` explains the mo
 and its assumptions), then a table over micro-batch size × activation checkpointing (none,
 selective every 2nd layer or the recipe's own selective setting, selective attention in every
 layer, full) × activation offload, each marked fits / does not fit on the
-target GPU, fastest first by the estimate's throughput order. Exit status 2 when no setting
-fits, with the cheapest change that would make it fit.
+target GPU, fastest first by the estimate's throughput order. With a CPU offload it also
+says what the offloaded states take of the host's memory. Exit status 2 when no setting
+fits, with the cheapest change that would make it fit, or when the offloaded states do not
+fit the host.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
@@ -34,6 +37,7 @@ class PlanResult:
     recipe_fits: bool  # the recipe's own setting fits
     breakdown: Breakdown  # the recipe's own setting
     suggestion: str | None  # the cheapest fix when nothing fits
+    host_fits: bool = True  # the offloaded states fit the host's memory (nothing offloaded: true)
 
 
 # The target without a GPU to read it from: the 80 GB class (H100, A100-80GB) most fine-tunes
@@ -41,26 +45,40 @@ class PlanResult:
 DEFAULT_GPU_MEMORY = "80GiB"
 
 
+# The share of a host's memory the plan leaves to everything but the offloaded states: the
+# operating system, the data loader's workers, CUDA's and NCCL's host-side buffers.
+HOST_RESERVE_FRACTION = 0.10
+
+
+def size_bytes(option: str, flag: str) -> int:
+    """A size as the options take it (``80GiB``, ``80``, ``81920MiB``, ``80GB``; a bare number is GiB)."""
+    text = option.strip().lower().replace(" ", "")
+    suffix, scale = next(
+        ((s, n) for s, n in (("gib", GIB), ("gb", 10**9), ("mib", 2**20), ("g", GIB)) if text.endswith(s)),
+        ("", GIB),
+    )
+    try:
+        return int(float(text.removesuffix(suffix)) * scale)
+    except ValueError:
+        raise UsageError(
+            f"{flag} {option!r}: give a size such as 80GiB, 81920MiB, 80GB or a number of GiB"
+        ) from None
+
+
+def host_bytes(option: str | None) -> tuple[int, str]:
+    """``--host-memory``, else this machine's physical memory; with where it came from."""
+    if option:
+        return size_bytes(option, "--host-memory"), "--host-memory"
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return physical, "this machine's; --host-memory sets another"
+
+
 def gpu_bytes(option: str | None) -> tuple[int, str]:
-    """``--gpu-memory`` (``80GiB``, ``80``, ``81920MiB``), else the visible CUDA device's memory,
+    """``--gpu-memory`` (a size as `size_bytes` reads it), else the visible CUDA device's memory,
     else (no GPU here, as on a laptop planning for a server) `DEFAULT_GPU_MEMORY`; with a note
     for the header saying where the target came from."""
     if option:
-        text = option.strip().lower().replace(" ", "")
-        suffix, scale = next(
-            (
-                (s, n)
-                for s, n in (("gib", GIB), ("gb", 10**9), ("mib", 2**20), ("g", GIB))
-                if text.endswith(s)
-            ),
-            ("", GIB),
-        )
-        try:
-            return int(float(text.removesuffix(suffix)) * scale), ""
-        except ValueError:
-            raise UsageError(
-                f"--gpu-memory {option!r}: give a size such as 80GiB, 81920MiB, 80GB or a number of GiB"
-            ) from None
+        return size_bytes(option, "--gpu-memory"), ""
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory, f" ({torch.cuda.get_device_name(0)})"
     default, _ = gpu_bytes(DEFAULT_GPU_MEMORY)
@@ -87,8 +105,37 @@ def _breakdown_table(b: Breakdown, budget: int) -> Table:
     return table
 
 
-def plan(recipe: Recipe, world_size: int, budget: int, console: Console, target: str = "") -> PlanResult:
-    """Print the breakdown and the table of choices; the result says what fits."""
+def _host_memory(shape, base, world_size: int, host: tuple[int, str], console: Console) -> bool:
+    """Print what a CPU offload keeps in host memory (nothing offloaded: prints nothing) against
+    the host's memory less `HOST_RESERVE_FRACTION`; whether it fits. The plan's ranks are
+    taken to share one host (``--nproc-per-node``): each holds its own shards there."""
+    parts = base.parallel.memory_host(shape, base.precision, world_size)
+    if not parts:
+        return True
+    rank = sum(parts.values())
+    need, (capacity, where) = rank * world_size, host
+    listed = ", ".join(f"{name} {gib(n)}" for name, n in parts.items())
+    fits = need <= capacity * (1 - HOST_RESERVE_FRACTION)
+    console.print(
+        f"host memory (CPU offload): {listed}: {gib(rank)} a rank, {gib(need)} for the {world_size} "
+        f"ranks of one host, against {gib(capacity)} ({where}) less {HOST_RESERVE_FRACTION:.0%} kept for "
+        "the rest: " + ("[green]fits[/]" if fits else "[bold red]does not fit[/]"),
+        soft_wrap=True,
+    )
+    return fits
+
+
+def plan(
+    recipe: Recipe,
+    world_size: int,
+    budget: int,
+    console: Console,
+    target: str,
+    host: tuple[int, str],
+) -> PlanResult:
+    """Print the breakdown and the table of choices; the result says what fits. `host` is the
+    host's memory and where that figure came from (`host_bytes`), which the offloaded states
+    are checked against."""
     shape = recipe_shape(recipe)
     base = base_setting(recipe, world_size, frozen_shape(recipe))
     own = estimate(shape, base)
@@ -131,6 +178,7 @@ def plan(recipe: Recipe, world_size: int, budget: int, console: Console, target:
     if images:
         console.print(images, soft_wrap=True)
     console.print(_breakdown_table(own, budget))
+    host_fits = _host_memory(shape, base, world_size, host, console)
     off = estimate(shape, replace(base, kernels=frozenset()))
     console.print(
         f"the same without our kernels: {gib(off.peak)} (activations {gib(sum(off.activations.values()))}, "
@@ -158,11 +206,16 @@ def plan(recipe: Recipe, world_size: int, budget: int, console: Console, target:
         console.print(
             f"[bold red]nothing fits {gib(budget)} per GPU[/]; the cheapest change that fits: {fix}"
         )
-        return PlanResult(False, False, own, fix)
+        return PlanResult(False, False, own, fix, host_fits)
     auto = "auto" in (recipe_checkpointing(recipe), recipe.training.micro_batch_size)
     console.print(
         f"fastest that fits: {best.setting.label()} (peak {gib(best.breakdown.peak)})"
         + ("; this is what auto picks" if auto else "")
         + ("" if recipe_fits else f"; [bold red]the recipe as written does not fit[/] ({gib(own.peak)})")
     )
-    return PlanResult(True, recipe_fits, own, None)
+    if not host_fits:
+        console.print(
+            "[bold red]the offloaded states do not fit the host's memory[/]: spread the ranks over more "
+            "hosts (each holds only its own ranks' shards), or shard over more GPUs without the offload"
+        )
+    return PlanResult(True, recipe_fits, own, None, host_fits)

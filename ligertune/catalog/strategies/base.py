@@ -201,6 +201,13 @@ class ParallelOptions(Section):
         """What the strategy allocates for a moment at the end of backward (a reduction buffer)."""
         return {}
 
+    def memory_host(self, shape: ModelShape, precision: str, world_size: int) -> dict[str, int]:
+        """What each rank keeps in the host's memory for the whole run, by name: the model states
+        a CPU offload moves off the GPU (`memory_states` counts them as 0 there). They are
+        pinned, so they take the host's RAM in full, and every rank of a host has its own.
+        Nothing for a strategy that keeps its states on the GPU."""
+        return {}
+
     def memory_whole_gathered(self, shape: ModelShape, precision: str) -> int:
         """What holding the whole model's weights at once (``Runtime.gathered``, while an objective
         generates) adds to `memory_states`: nothing for a replica."""

@@ -109,23 +109,48 @@ class DeepSpeedParallel(ParallelOptions):
         """bf16 module weights (sharded at stage 3), fp32 master weights and AdamW moments in the
         ZeRO optimizer (sharded), gradients sharded from stage 2; at stage 3 about one layer
         prefetched ahead of the current one, and the embeddings and lm_head while they run."""
-        options, p, t, w = self.deepspeed, shape.params, shape.trainable, world_size
+        options, t, w = self.deepspeed, shape.trainable, world_size
         stage, module = options.zero_stage, _module_bytes(precision)
-        states = {
-            "weights" + (" (sharded)" if stage == 3 else ""): 0
-            if options.offload_params
-            else p * module // (w if stage == 3 else 1),
-            "fp32 master weights + AdamW moments (sharded)": 0
-            if options.offload_optimizer
-            else ((4 * t if precision != "fp32" else 0) + 8 * t) // w,
+        weights, weight_bytes = self._weights(shape, precision, world_size)
+        optimizer, optimizer_bytes = self._optimizer(shape, precision, world_size)
+        states = {  # what is offloaded is on the host (`memory_host`)
+            weights: 0 if options.offload_params else weight_bytes,
+            optimizer: 0 if options.offload_optimizer else optimizer_bytes,
         }
         if stage == 3:
             states["ZeRO-3 gathered layers (current + prefetch)"] = 2 * shape.layer_params * module
             states["ZeRO-3 gathered embeddings and lm_head"] = (
                 shape.embed_params + shape.head_params
             ) * module
-        grads = t * module // (1 if stage == 1 else w) + (t * 4 // w if precision != "fp32" else 0)
+        # bf16 gradients, and the fp32 partition the optimizer steps on (on the host with offload_optimizer)
+        fp32_on_gpu = precision != "fp32" and not options.offload_optimizer
+        grads = t * module // (1 if stage == 1 else w) + (t * 4 // w if fp32_on_gpu else 0)
         return states, grads
+
+    def memory_host(self, shape: ModelShape, precision: str, world_size: int) -> dict[str, int]:
+        """``offload_params``: the module weights (sharded at stage 3); ``offload_optimizer``: the
+        fp32 master weights and AdamW moments, and the fp32 gradients DeepSpeed's CPU Adam
+        steps on (sharded)."""
+        host = {}
+        if self.deepspeed.offload_params:
+            host.update([self._weights(shape, precision, world_size)])
+        if self.deepspeed.offload_optimizer:
+            host.update([self._optimizer(shape, precision, world_size)])
+            host["fp32 gradients (sharded)"] = 4 * shape.trainable // world_size
+        return host
+
+    def _weights(self, shape: ModelShape, precision: str, world_size: int) -> tuple[str, int]:
+        """The module weights' name and bytes on a rank: bf16 (fp32 for fp32), sharded at stage 3."""
+        sharded = self.deepspeed.zero_stage == 3
+        return "weights" + (" (sharded)" if sharded else ""), (
+            shape.params * _module_bytes(precision) // (world_size if sharded else 1)
+        )
+
+    def _optimizer(self, shape: ModelShape, precision: str, world_size: int) -> tuple[str, int]:
+        """The ZeRO optimizer's name and bytes on a rank: fp32 master weights (not for fp32, whose
+        module weights are the master) and the two AdamW moments, sharded."""
+        master = 4 * shape.trainable if precision != "fp32" else 0
+        return "fp32 master weights + AdamW moments (sharded)", (master + 8 * shape.trainable) // world_size
 
     def frozen_memory(self, frozen: ModelShape, precision: str, world_size: int) -> tuple[int, int, str]:
         """Stage 3: an inference engine sharded like the policy, bf16 module weights (none on the

@@ -114,11 +114,12 @@ class FSDPParallel(ParallelOptions):
         from its forward to its backward, so at the start of the backward (the peak) all of them
         are: counted as a state, which over-counts the end of the backward, where the layers
         are resharded again."""
-        on_gpu = 0 if self.fsdp.cpu_offload else 1
-        ew, gathered = WEIGHT_BYTES[precision], self.gathered_bytes(precision)
+        sharded, grads = self._sharded_states(shape, precision, world_size)
+        if self.fsdp.cpu_offload:  # on the host (`memory_host`)
+            sharded, grads = dict.fromkeys(sharded, 0), 0
+        gathered = self.gathered_bytes(precision)
         states = {
-            "weights (sharded)": on_gpu * shape.params * ew // world_size,
-            "AdamW moments (sharded)": on_gpu * 2 * shape.trainable * ew // world_size,
+            **sharded,
             "FSDP2 gathered layers (current + prefetch)": (1 + self.fsdp.prefetch)
             * shape.layer_params
             * gathered,
@@ -129,7 +130,26 @@ class FSDPParallel(ParallelOptions):
             states["FSDP2 other layers kept gathered (reshard_after_forward: false)"] = (
                 self._other_layers_bytes(shape, precision)
             )
-        return states, on_gpu * shape.trainable * ew // world_size
+        return states, grads
+
+    def memory_host(self, shape: ModelShape, precision: str, world_size: int) -> dict[str, int]:
+        """With ``cpu_offload``: this rank's shards of the weights, the AdamW moments and the
+        gradients (FSDP2 keeps the gradients' shards on the CPU for AdamW's step there)."""
+        if not self.fsdp.cpu_offload:
+            return {}
+        sharded, grads = self._sharded_states(shape, precision, world_size)
+        return {**sharded, "gradients (sharded)": grads}
+
+    def _sharded_states(
+        self, shape: ModelShape, precision: str, world_size: int
+    ) -> tuple[dict[str, int], int]:
+        """This rank's shards of the weights and AdamW moments, by name, and of the gradients."""
+        ew = WEIGHT_BYTES[precision]
+        states = {
+            "weights (sharded)": shape.params * ew // world_size,
+            "AdamW moments (sharded)": 2 * shape.trainable * ew // world_size,
+        }
+        return states, shape.trainable * ew // world_size
 
     def reduce_bytes(self, precision: str) -> int:
         """Bytes per element of the gradients' reduce-scatter (`reduce_dtype`; without
