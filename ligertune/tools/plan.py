@@ -108,7 +108,8 @@ def _breakdown_table(b: Breakdown, budget: int) -> Table:
 def _host_memory(shape, base, world_size: int, host: tuple[int, str], console: Console) -> bool:
     """Print what a CPU offload keeps in host memory (nothing offloaded: prints nothing) against
     the host's memory less `HOST_RESERVE_FRACTION`; whether it fits. The plan's ranks are
-    taken to share one host (``--nproc-per-node``): each holds its own shards there."""
+    taken to share one host (``--nproc-per-node``): each holds its own shards there. The
+    policy's states only: a frozen reference's or teacher's offloaded shards are not added."""
     parts = base.parallel.memory_host(shape, base.precision, world_size)
     if not parts:
         return True
