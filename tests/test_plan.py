@@ -689,8 +689,9 @@ runner = CliRunner()
 
 
 def test_plan_command_checks_the_offloaded_states_against_the_hosts_memory():
-    """1B, bf16-mixed, FSDP2 with cpu_offload over 2 ranks of one host: 16 bytes a parameter in
-    all (fp32 weights, gradients and two moments), split over the ranks, all on the host."""
+    """1B, bf16-mixed, FSDP2 with cpu_offload over 2 ranks: 16 bytes a parameter in all (fp32
+    weights, gradients and two moments), split over the ranks; on one host, or one rank on
+    each of two (``--nnodes``)."""
     recipe = str(ROOT / "recipes" / "llama3.2-1b-alpaca-bench.yaml")
     offload = [
         "parallel.strategy=fsdp",
@@ -708,6 +709,12 @@ def test_plan_command_checks_the_offloaded_states_against_the_hosts_memory():
     large = runner.invoke(app, [*args, "--host-memory", "64GiB"])
     assert large.exit_code == 0, large.output
     assert need in large.output and "fits" in large.output
+    # The same 2 ranks on 2 hosts: each host holds one rank's shards, half of the whole.
+    one_each = ["plan", recipe, *offload, "--nnodes", "2", "--nproc-per-node", "1", "--gpu-memory", "80GiB"]
+    spread = runner.invoke(app, [*one_each, "--host-memory", "16GiB"])
+    assert spread.exit_code == 0, spread.output
+    assert f"{8 * params / GIB:.1f} GiB for the 1 rank of one host" in spread.output
+    assert "fsdp × 2" in spread.output
     plain = runner.invoke(app, ["plan", recipe, "--gpu-memory", "80GiB"])
     assert plain.exit_code == 0 and "host memory" not in plain.output
     bad = runner.invoke(app, [*args, "--host-memory", "lots"])

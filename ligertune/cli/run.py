@@ -78,7 +78,16 @@ def plan(
         None, help="key=value overrides, e.g. training.micro_batch_size=8."
     ),
     world_size: int | None = typer.Option(
-        None, "--world-size", "--nproc-per-node", help="GPUs the run uses (default 1, or the strategy's 2)."
+        None,
+        "--nproc-per-node",
+        "--world-size",
+        help="GPUs the run uses on each host (default 1, or the strategy's 2).",
+    ),
+    nnodes: int = typer.Option(
+        1,
+        "--nnodes",
+        min=1,
+        help="Hosts the run spreads over, --nproc-per-node GPUs each (as train takes it).",
     ),
     gpu_memory: str | None = typer.Option(
         None,
@@ -106,6 +115,8 @@ def plan(
       ligertune plan recipes/llama3.2-1b-alpaca-bench.yaml --gpu-memory 80GiB
 
       ligertune plan recipes/llama3-8b-alpaca-bench.yaml --nproc-per-node 4 --gpu-memory 80GiB
+
+      ligertune plan recipes/llama3-70b-alpaca-lora.yaml --nnodes 2 --nproc-per-node 8 --host-memory 1TiB
     """
     from ligertune.tools.plan import gpu_bytes, host_bytes
     from ligertune.tools.plan import plan as run_plan
@@ -114,17 +125,18 @@ def plan(
     problems = model_problems(loaded)
     if problems:
         raise RecipeError(problems)
-    world = world_size or (2 if loaded.parallel.multi_process else 1)
+    per_host = world_size or (2 if loaded.parallel.multi_process else 1)
+    world = per_host * nnodes
     shards = loaded.parallel.context_parallel
     if world % shards:
         raise RecipeError(
             [
-                f"parallel.context_parallel: {shards} does not divide --nproc-per-node {world}; plan for a "
+                f"parallel.context_parallel: {shards} does not divide the run's {world} GPUs; plan for a "
                 f"multiple of {shards} GPUs"
             ]
         )
     budget, target = gpu_bytes(gpu_memory)
-    result = run_plan(loaded, world, budget, console, target, host_bytes(host_memory))
+    result = run_plan(loaded, world, budget, console, target, host_bytes(host_memory), per_host)
     if not (result.fits and result.host_fits):
         raise typer.Exit(2)
 

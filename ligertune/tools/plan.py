@@ -51,10 +51,15 @@ HOST_RESERVE_FRACTION = 0.10
 
 
 def size_bytes(option: str, flag: str) -> int:
-    """A size as the options take it (``80GiB``, ``80``, ``81920MiB``, ``80GB``; a bare number is GiB)."""
+    """A size as the options take it (``80GiB``, ``80``, ``81920MiB``, ``80GB``, ``1TiB``; a bare
+    number is GiB)."""
     text = option.strip().lower().replace(" ", "")
     suffix, scale = next(
-        ((s, n) for s, n in (("gib", GIB), ("gb", 10**9), ("mib", 2**20), ("g", GIB)) if text.endswith(s)),
+        (
+            (s, n)
+            for s, n in (("tib", 2**40), ("gib", GIB), ("gb", 10**9), ("mib", 2**20), ("g", GIB))
+            if text.endswith(s)
+        ),
         ("", GIB),
     )
     try:
@@ -105,21 +110,24 @@ def _breakdown_table(b: Breakdown, budget: int) -> Table:
     return table
 
 
-def _host_memory(shape, base, world_size: int, host: tuple[int, str], console: Console) -> bool:
+def _host_memory(
+    shape, base, world_size: int, ranks_per_host: int, host: tuple[int, str], console: Console
+) -> bool:
     """Print what a CPU offload keeps in host memory (nothing offloaded: prints nothing) against
-    the host's memory less `HOST_RESERVE_FRACTION`; whether it fits. The plan's ranks are
-    taken to share one host (``--nproc-per-node``): each holds its own shards there. The
-    policy's states only: a frozen reference's or teacher's offloaded shards are not added."""
+    the host's memory less `HOST_RESERVE_FRACTION`; whether it fits. Each of a host's
+    `ranks_per_host` ranks holds its own shards there. The policy's states only: a frozen
+    reference's or teacher's offloaded shards are not added."""
     parts = base.parallel.memory_host(shape, base.precision, world_size)
     if not parts:
         return True
     rank = sum(parts.values())
-    need, (capacity, where) = rank * world_size, host
+    need, (capacity, where) = rank * ranks_per_host, host
     listed = ", ".join(f"{name} {gib(n)}" for name, n in parts.items())
     fits = need <= capacity * (1 - HOST_RESERVE_FRACTION)
+    ranks = f"{ranks_per_host} rank{'s' if ranks_per_host > 1 else ''}"
     console.print(
-        f"host memory (CPU offload): {listed}: {gib(rank)} a rank, {gib(need)} for the {world_size} "
-        f"ranks of one host, against {gib(capacity)} ({where}) less {HOST_RESERVE_FRACTION:.0%} kept for "
+        f"host memory (CPU offload): {listed}: {gib(rank)} a rank, {gib(need)} for the {ranks} "
+        f"of one host, against {gib(capacity)} ({where}) less {HOST_RESERVE_FRACTION:.0%} kept for "
         "the rest: " + ("[green]fits[/]" if fits else "[bold red]does not fit[/]"),
         soft_wrap=True,
     )
@@ -133,10 +141,11 @@ def plan(
     console: Console,
     target: str,
     host: tuple[int, str],
+    ranks_per_host: int,
 ) -> PlanResult:
     """Print the breakdown and the table of choices; the result says what fits. `host` is the
-    host's memory and where that figure came from (`host_bytes`), which the offloaded states
-    are checked against."""
+    memory of one host and where that figure came from (`host_bytes`), which the offloaded
+    states of its `ranks_per_host` ranks are checked against."""
     shape = recipe_shape(recipe)
     base = base_setting(recipe, world_size, frozen_shape(recipe))
     own = estimate(shape, base)
@@ -179,7 +188,7 @@ def plan(
     if images:
         console.print(images, soft_wrap=True)
     console.print(_breakdown_table(own, budget))
-    host_fits = _host_memory(shape, base, world_size, host, console)
+    host_fits = _host_memory(shape, base, world_size, ranks_per_host, host, console)
     off = estimate(shape, replace(base, kernels=frozenset()))
     console.print(
         f"the same without our kernels: {gib(off.peak)} (activations {gib(sum(off.activations.values()))}, "
