@@ -86,11 +86,16 @@ class Router:
     aux_loss_coef: float
 
 
+def _family_of(model: nn.Module | None):
+    """The model's config and its family table row (None for a family the table lacks)."""
+    config = getattr(model, "config", None)
+    return config, FAMILIES.get(getattr(config, "model_type", None))
+
+
 def router_of(model: nn.Module | None) -> Router | None:
     """The `Router` of a mixture-of-experts model of the family table with a balancing loss, or
     None (dense, unknown, or balanced without a loss: DeepSeek-V3, whose forward returns none)."""
-    config = getattr(model, "config", None)
-    family = FAMILIES.get(getattr(config, "model_type", None))
+    config, family = _family_of(model)
     if family is None or not family.balancing_loss:
         return None
     experts = family.experts
@@ -152,8 +157,7 @@ class ChosenExperts:
 def chosen_experts_of(model: nn.Module | None) -> ChosenExperts | None:
     """A `ChosenExperts` record for a mixture-of-experts model of the family table that balances
     without a loss (DeepSeek-V3), or None."""
-    config = getattr(model, "config", None)
-    family = FAMILIES.get(getattr(config, "model_type", None))
+    _, family = _family_of(model)
     if family is None or family.experts is None or family.balancing_loss:
         return None
     return ChosenExperts(model, family)
@@ -180,14 +184,17 @@ class CausalLM(Objective):
         output = model(**inputs, num_items_in_batch=num_items)
         loss, metrics = output.loss, {}
         aux = getattr(output, "aux_loss", None)
-        if self.router is not None and aux is not None:
-            share = (batch["labels"][:, 1:] != IGNORE_INDEX).sum() / num_items
+        balanced = self.router is not None and aux is not None
+        recorded = self.chosen is not None and bool(self.chosen.chosen) and model.training
+        if not (balanced or recorded):  # a dense model: nothing more to compute
+            return ObjectiveOutput(loss, metrics)
+        share = (batch["labels"][:, 1:] != IGNORE_INDEX).sum() / num_items
+        if balanced:
             weight = share if model.training else 0.0
             loss = loss + self.router.aux_loss_coef * aux.to(loss.device) * (weight - 1)
             if model.training:
                 metrics = router_metrics(output, self.router.top_k, batch.get("attention_mask"), share)
-        if self.chosen is not None and self.chosen.chosen and model.training:
-            share = (batch["labels"][:, 1:] != IGNORE_INDEX).sum() / num_items
+        if recorded:
             metrics = expert_load_metrics(
                 self.chosen.chosen, self.chosen.experts, batch.get("attention_mask"), share
             )
