@@ -701,19 +701,28 @@ def test_plan_command_checks_the_offloaded_states_against_the_hosts_memory():
     ]
     args = ["plan", recipe, *offload, "--nproc-per-node", "2", "--gpu-memory", "80GiB"]
     params = recipe_shape(load_recipe(recipe, offload)).params
+
+    def host_line(output: str) -> str:
+        (line,) = [x for x in output.splitlines() if x.startswith("host memory (CPU offload)")]
+        return line
+
     need = f"{16 * params / GIB:.1f} GiB for the 2 ranks of one host"
     small = runner.invoke(app, [*args, "--host-memory", "16GiB"])
     assert small.exit_code == 2, small.output
-    assert need in small.output and "does not fit" in small.output
+    assert need in host_line(small.output) and host_line(small.output).endswith("the rest: does not fit")
     assert "the offloaded states do not fit the host's memory" in small.output
     large = runner.invoke(app, [*args, "--host-memory", "64GiB"])
     assert large.exit_code == 0, large.output
-    assert need in large.output and "fits" in large.output
+    assert need in host_line(large.output) and host_line(large.output).endswith("the rest: fits")
+    assert "do not fit the host's memory" not in large.output
     # The same 2 ranks on 2 hosts: each host holds one rank's shards, half of the whole.
     one_each = ["plan", recipe, *offload, "--nnodes", "2", "--nproc-per-node", "1", "--gpu-memory", "80GiB"]
     spread = runner.invoke(app, [*one_each, "--host-memory", "16GiB"])
     assert spread.exit_code == 0, spread.output
-    assert f"{8 * params / GIB:.1f} GiB for the 1 rank of one host" in spread.output
+    line = host_line(spread.output)
+    assert f"{8 * params / GIB:.1f} GiB for the 1 rank of one host" in line and line.endswith(
+        "the rest: fits"
+    )
     assert "fsdp × 2" in spread.output
     plain = runner.invoke(app, ["plan", recipe, "--gpu-memory", "80GiB"])
     assert plain.exit_code == 0 and "host memory" not in plain.output

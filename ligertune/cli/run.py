@@ -77,7 +77,7 @@ def plan(
     overrides: list[str] | None = typer.Argument(
         None, help="key=value overrides, e.g. training.micro_batch_size=8."
     ),
-    world_size: int | None = typer.Option(
+    nproc_per_node: int | None = typer.Option(
         None,
         "--nproc-per-node",
         "--world-size",
@@ -125,7 +125,7 @@ def plan(
     problems = model_problems(loaded)
     if problems:
         raise RecipeError(problems)
-    per_host = world_size or (2 if loaded.parallel.multi_process else 1)
+    per_host = nproc_per_node or (2 if loaded.parallel.multi_process else 1)
     world = per_host * nnodes
     shards = loaded.parallel.context_parallel
     if world % shards:

@@ -37,7 +37,7 @@ class PlanResult:
     recipe_fits: bool  # the recipe's own setting fits
     breakdown: Breakdown  # the recipe's own setting
     suggestion: str | None  # the cheapest fix when nothing fits
-    host_fits: bool = True  # the offloaded states fit the host's memory (nothing offloaded: true)
+    host_fits: bool  # the offloaded states fit the host's memory (nothing offloaded: true)
 
 
 # The target without a GPU to read it from: the 80 GB class (H100, A100-80GB) most fine-tunes
