@@ -102,56 +102,65 @@ def router_of(model: nn.Module | None) -> Router | None:
     return Router(getattr(config, experts.top_k_attr), getattr(config, experts.aux_loss_coef_attr))
 
 
-def expert_load_metrics(
-    chosen: list[torch.Tensor], experts: int, attention_mask: torch.Tensor | None, share: torch.Tensor
-) -> dict:
-    """The expert load of one forward (module docstring), times `share`, from each MoE layer's
-    [tokens, k] chosen experts. Token counts use ``scatter_add`` into a fixed [experts] vector:
-    ``bincount`` would read its size back from the GPU."""
-    loads = []
-    for indices in chosen:
-        top_k = indices.shape[-1]
-        flat = indices.reshape(-1)
-        weight = torch.ones_like(flat, dtype=torch.float32)
-        if attention_mask is not None:  # padding tokens route too, but are not the data's load
-            weight = attention_mask.reshape(-1, 1).expand(-1, top_k).reshape(-1).float()
-        counts = torch.zeros(experts, device=flat.device).scatter_add_(0, flat, weight)
-        loads.append(counts.max() / counts.mean().clamp(min=1e-9))
-    loads = torch.stack(loads)
-    return {"expert_load_max": loads.max() * share, "expert_load_mean": loads.mean() * share}
+def layer_load(indices: torch.Tensor, experts: int, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """One MoE layer's expert load (module docstring) from its [tokens, k] chosen experts. Token
+    counts use ``scatter_add`` into a fixed [experts] vector: ``bincount`` would read its size
+    back from the GPU."""
+    top_k = indices.shape[-1]
+    flat = indices.reshape(-1)
+    weight = torch.ones_like(flat, dtype=torch.float32)
+    if attention_mask is not None:  # padding tokens route too, but are not the data's load
+        weight = attention_mask.reshape(-1, 1).expand(-1, top_k).reshape(-1).float()
+    counts = torch.zeros(experts, device=flat.device).scatter_add_(0, flat, weight)
+    return counts.max() / counts.mean().clamp(min=1e-9)
 
 
 def router_metrics(output, top_k: int, attention_mask: torch.Tensor | None, share: torch.Tensor) -> dict:
     """The balancing loss and the expert load of one forward (module docstring), times `share`.
     Every family with a balancing loss routes each token to the k largest logits (a softmax
     first keeps the order)."""
-    chosen = [logits.topk(top_k, dim=-1).indices for logits in output.router_logits]
     experts = output.router_logits[0].shape[-1]
+    loads = torch.stack(
+        [layer_load(logits.topk(top_k, dim=-1).indices, experts, attention_mask) for logits in output.router_logits]
+    )
     return {
         "aux_loss": output.aux_loss.detach().float() * share,
-        **expert_load_metrics(chosen, experts, attention_mask, share),
+        "expert_load_max": loads.max() * share,
+        "expert_load_mean": loads.mean() * share,
     }
 
 
 class ChosenExperts:
-    """The experts each token was sent to in one forward, per MoE layer, as the routed-experts
-    modules receive them: a forward pre-hook on each reads its ``[tokens, k]`` indices (the
-    family table's experts contract, ``(hidden, top_k_index, top_k_weights)``, the same for our
-    kernel and transformers' experts). `start` empties the record before each forward: a
-    checkpointed layer's recomputation in backward calls the hooks again, into the list the next
-    forward empties."""
+    """The load of the experts each token was sent to in one forward, over the MoE layers, as
+    the routed-experts modules receive them: a forward pre-hook on each reads its ``[tokens, k]``
+    indices (the family table's experts contract, ``(hidden, top_k_index, top_k_weights)``, the
+    same for our kernel and transformers' experts) and folds that layer's load into a running
+    maximum and sum. `start` resets them before each forward: a checkpointed layer's
+    recomputation in backward calls the hooks again, into totals the next forward resets.
+
+    No list of the layers' indices is kept: under ``training.compile`` the hook is traced into
+    each layer's graph, and a list the graph appends to is guarded on its length, which compiles
+    the layer again for every MoE layer (past dynamo's recompile limit the rest run eagerly). The
+    two totals are tensors, rebound rather than changed in place, so the graph is guarded on
+    their shapes only."""
 
     def __init__(self, model: nn.Module, family):
         self.experts = getattr(model.config, family.experts.num_experts_attr)
-        self.chosen: list[torch.Tensor] = []
-        for _, module in instances(model, family.resolve(family.experts.experts)):
+        modules = [module for _, module in instances(model, family.resolve(family.experts.experts))]
+        self.layers = len(modules)
+        for module in modules:
             module.register_forward_pre_hook(self._record)
+        self.start(None, torch.device("cpu"))
 
     def _record(self, module: nn.Module, args: tuple) -> None:
-        self.chosen.append(args[1].detach())
+        load = layer_load(args[1].detach(), self.experts, self.attention_mask)
+        self.load_max = torch.maximum(self.load_max, load)
+        self.load_sum = self.load_sum + load
 
-    def start(self) -> None:
-        self.chosen = []
+    def start(self, attention_mask: torch.Tensor | None, device: torch.device) -> None:
+        self.attention_mask = attention_mask
+        self.load_max = torch.zeros((), device=device)  # a layer's load is at least 1
+        self.load_sum = torch.zeros((), device=device)
 
 
 def chosen_experts_of(model: nn.Module | None) -> ChosenExperts | None:
@@ -180,12 +189,12 @@ class CausalLM(Objective):
     def __call__(self, model: nn.Module, batch: Batch, num_items: torch.Tensor) -> ObjectiveOutput:
         inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
         if self.chosen is not None:
-            self.chosen.start()
+            self.chosen.start(batch.get("attention_mask"), batch["labels"].device)
         output = model(**inputs, num_items_in_batch=num_items)
         loss, metrics = output.loss, {}
         aux = getattr(output, "aux_loss", None)
         balanced = self.router is not None and aux is not None
-        recorded = self.chosen is not None and bool(self.chosen.chosen) and model.training
+        recorded = self.chosen is not None and model.training
         if not (balanced or recorded):  # a dense model: nothing more to compute
             return ObjectiveOutput(loss, metrics)
         share = (batch["labels"][:, 1:] != IGNORE_INDEX).sum() / num_items
@@ -195,7 +204,8 @@ class CausalLM(Objective):
             if model.training:
                 metrics = router_metrics(output, self.router.top_k, batch.get("attention_mask"), share)
         if recorded:
-            metrics = expert_load_metrics(
-                self.chosen.chosen, self.chosen.experts, batch.get("attention_mask"), share
-            )
+            metrics = {
+                "expert_load_max": self.chosen.load_max * share,
+                "expert_load_mean": self.chosen.load_sum / self.chosen.layers * share,
+            }
         return ObjectiveOutput(loss, metrics)
