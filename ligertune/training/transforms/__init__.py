@@ -24,6 +24,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ligertune.catalog.families import FAMILIES
@@ -212,6 +213,12 @@ def _compile(model: nn.Module, recipe: Recipe) -> tuple[nn.Module, str | None]:
     # Compiling each layer in place (not the whole model) keeps state-dict names unchanged,
     # compiles one graph reused by every layer, and leaves the loss head (where the fused
     # linear cross entropy lives) to its own kernels.
+    # From transformers 5.2x a layer checkpoints inside its forward, so the checkpoint is traced
+    # into the layer's graph, where dynamo refuses a side effect (a hook recording to an object
+    # outside, as DeepSeek's expert-load record does) unless it need not be replayed in the
+    # recomputation: the records are read before the backward. Process-wide, as dynamo's
+    # configuration is.
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     for layer in decoder_layers(model):
         layer.compile()
     family = FAMILIES.get(getattr(model.config, "model_type", None))
