@@ -308,7 +308,9 @@ def test_reference_path_is_the_oracle_too():
     expected.backward()
     torch.testing.assert_close(out.loss, expected.detach())
     torch.testing.assert_close(h.grad, h64.grad)
-    torch.testing.assert_close(out.metrics["kl"].double(), torch.tensor(metrics["kl"], dtype=torch.float64))
+    # The metrics are float32 by design (logged values, summed in fp32): fp32's resolution, not fp64's.
+    kl = torch.tensor(metrics["kl"], dtype=torch.float64)
+    torch.testing.assert_close(out.metrics["kl"].double(), kl, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize(
