@@ -393,6 +393,7 @@ def test_deepseek_logs_the_load_of_the_experts_its_router_chose(kernels):
     Two MoE layers, so that max and mean differ. With checkpointing, the recomputation in
     backward sends the tokens to the experts again: the next step's metrics are still its own
     forward's."""
+    assert chosen_experts_of(tiny_moe("deepseek_v3", first_k_dense_replace=LAYERS)) is None  # dense only
     model = tiny_moe("deepseek_v3", num_hidden_layers=3)
     if kernels:
         patch_model(model, WITH_EXPERTS)

@@ -165,11 +165,12 @@ class ChosenExperts:
 
 def chosen_experts_of(model: nn.Module | None) -> ChosenExperts | None:
     """A `ChosenExperts` record for a mixture-of-experts model of the family table that balances
-    without a loss (DeepSeek-V3), or None."""
+    without a loss (DeepSeek-V3), or None (also when every layer is dense: no load to log)."""
     _, family = _family_of(model)
     if family is None or family.experts is None or family.balancing_loss:
         return None
-    return ChosenExperts(model, family)
+    record = ChosenExperts(model, family)
+    return record if record.layers else None
 
 
 class CausalLM(Objective):
